@@ -1,0 +1,83 @@
+"""The backend contract: probe, load, run, truncate, release, report.
+
+A backend turns a model IR into a runner on one device. Backends know the IR
+and their own runtime, nothing else. Third-party backends implement the same
+classes and register under the `hetero_sd.backends` entry-point group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from hetero_sd.ir.model import ModelIR
+
+API_VERSION = 1  # bumped when Backend/Runner change incompatibly
+
+
+@dataclass(frozen=True)
+class PrecisionInfo:
+    name: str  # "fp32" | "bf16" | "fp16" | ...
+    batch_invariant: bool  # a k-token verify rounds exactly like k one-token steps
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    backend: str
+    device: str  # the backend's own device string, e.g. "cpu", "cuda:0", "npu:0"
+    description: str
+    precisions: tuple[PrecisionInfo, ...]
+    default_precision: str
+
+    def precision(self, name: str) -> PrecisionInfo | None:
+        return next((p for p in self.precisions if p.name == name), None)
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    capacity_tokens: int
+    used_tokens: int  # reserved by live sequences
+    filled_tokens: int  # positions holding valid KV
+    bytes_total: int
+    sequences: int
+
+
+class Runner(Protocol):
+    """A model loaded on one device, with its own KV pool."""
+
+    device: DeviceInfo
+    precision: PrecisionInfo
+    vocab_size: int
+    max_context: int
+
+    def allocate(self, capacity: int) -> int:
+        """Reserve `capacity` positions for a new sequence; return its id."""
+
+    def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+        """Run tokens at positions [start, start+T) (prefill and verify alike);
+        return float32 logits [num_logits, vocab] of the last num_logits rows."""
+
+    def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
+        """As forward, but return the argmax ids (computed on the device)."""
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first `length` positions; O(1), no KV data moves."""
+
+    def length(self, seq_id: int) -> int: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+    def usage(self) -> PoolUsage: ...
+
+
+class Backend(Protocol):
+    name: str
+    api_version: int
+
+    def probe(self) -> list[DeviceInfo]:
+        """Cheap: which devices this runtime sees here (empty if unusable)."""
+
+    def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
+             progress=None) -> Runner: ...

@@ -1,0 +1,153 @@
+"""The torch backend: CPU here, CUDA and Ascend NPU (torch-npu) by device string.
+
+The runner executes the IR's reference forward itself (so it is the reference
+on the reference's own terms), with weights cast to the precision and a KV
+pool pre-allocated to the configured budget. Device quirks stay in this file.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo
+from hetero_sd.backends.pool import ExtentAllocator
+from hetero_sd.backends.torch_numerics import RowStableLinear
+from hetero_sd.ir.errors import BackendError
+from hetero_sd.ir.model import ModelIR
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
+    # Batch invariance on CPU comes from calibrated row-chunked matmuls and
+    # row-wise attention (torch_numerics.py), proven bitwise by the tests.
+    note = "row-stable matmul calibrated at load"
+    out = [PrecisionInfo("fp32", True, note)]
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        out.append(PrecisionInfo("bf16", True, note))
+    return tuple(out)
+
+
+def _accel_precisions(bf16: bool) -> tuple[PrecisionInfo, ...]:
+    # cuBLAS / CANN choose kernels by shape: verify and decode may round apart.
+    note = "kernels chosen by shape; lossless up to numerics"
+    out = [PrecisionInfo("fp16", False, note), PrecisionInfo("fp32", False, note)]
+    if bf16:
+        out.insert(0, PrecisionInfo("bf16", False, note))
+    return tuple(out)
+
+
+def _npu_module():
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:
+        return None
+    return getattr(torch, "npu", None)
+
+
+class TorchBackend:
+    name = "torch"
+    api_version = API_VERSION
+
+    def probe(self) -> list[DeviceInfo]:
+        cpu = DeviceInfo(self.name, "cpu", "host CPU (torch %s, %s)" % (
+            torch.__version__, torch.backends.cpu.get_cpu_capability()), _cpu_precisions(), "fp32")
+        devices = [cpu]
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                precs = _accel_precisions(torch.cuda.is_bf16_supported())
+                devices.append(DeviceInfo(self.name, f"cuda:{i}", torch.cuda.get_device_name(i),
+                                          precs, precs[0].name))
+        npu = _npu_module()
+        if npu is not None and npu.is_available():
+            for i in range(npu.device_count()):
+                devices.append(DeviceInfo(self.name, f"npu:{i}", "Ascend NPU (torch-npu)",
+                                          _accel_precisions(True), "fp16"))
+        return devices
+
+    def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
+             progress=None) -> "TorchRunner":
+        info = _find_device(self.probe(), device, self.name)
+        prec = info.precision(precision)
+        if prec is None:
+            raise BackendError(f"torch:{info.device} does not support precision {precision!r}; "
+                               f"supported: {', '.join(p.name for p in info.precisions)}")
+        return TorchRunner(model, info, prec, kv_budget_bytes, progress)
+
+
+def _find_device(devices: list[DeviceInfo], device: str, backend: str) -> DeviceInfo:
+    want = "cuda:0" if device == "cuda" else "npu:0" if device == "npu" else device
+    for info in devices:
+        if info.device == want:
+            return info
+    raise BackendError(f"backend {backend!r} has no device {device!r} on this host; "
+                       f"available: {', '.join(d.device for d in devices)}")
+
+
+class TorchRunner:
+    def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo,
+                 kv_budget_bytes: int, progress=None):
+        cfg = model.config
+        self.device, self.precision = info, precision
+        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
+        self._torch_device = torch.device(info.device)
+        dtype = DTYPES[precision.name]
+        weights = {}
+        for name, tensor in model.iter_weights(progress):
+            weights[name] = tensor.to(device=self._torch_device, dtype=dtype)
+        bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        capacity = min(kv_budget_bytes // bytes_per_token, 1 << 22)
+        if capacity < 1:
+            raise BackendError(f"memory.kv_budget of {kv_budget_bytes} bytes holds no position "
+                               f"({bytes_per_token} bytes each)")
+        self._alloc = ExtentAllocator(capacity, bytes_per_token,
+                                      f"torch:{info.device} {precision.name} pool")
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
+        # empty, not zeros: pages are touched on first write, not at load.
+        self._k = torch.empty(shape, dtype=dtype, device=self._torch_device)
+        self._v = torch.empty(shape, dtype=dtype, device=self._torch_device)
+        exact = None
+        if precision.batch_invariant:
+            exact = RowStableLinear()
+            for name, tensor in weights.items():
+                if tensor.dim() == 2 and (name != "model.embed_tokens.weight" or cfg.tie_word_embeddings):
+                    exact.calibrate(tensor)
+        self._forward = model.family.Forward(cfg, weights, dtype, exact_linear=exact)
+
+    def allocate(self, capacity: int) -> int:
+        return self._alloc.allocate(capacity)
+
+    @torch.inference_mode()
+    def _run(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> torch.Tensor:
+        ext = self._alloc.check_write(seq_id, start, len(tokens))
+        region = slice(ext.offset, ext.offset + ext.reserved)
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self._torch_device)
+        # Rows whose logits are returned run batch-invariant kernels, so a
+        # k-token verify equals k one-token steps. A prefill (fewer logits than
+        # rows) is the same call in every mode and may take the fast kernels.
+        exact = self.precision.batch_invariant and num_logits == len(tokens)
+        return self._forward(ids, start, self._k[:, :, region], self._v[:, :, region], num_logits, exact)
+
+    def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+        return self._run(seq_id, tokens, start, num_logits).cpu().numpy()
+
+    def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
+        return self._run(seq_id, tokens, start, num_logits).argmax(-1).tolist()
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self._alloc.truncate(seq_id, length)
+
+    def length(self, seq_id: int) -> int:
+        return self._alloc.extent(seq_id).length
+
+    def release(self, seq_id: int) -> None:
+        self._alloc.release(seq_id)
+
+    def usage(self) -> PoolUsage:
+        return self._alloc.usage()
+
+    def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's K and V buffers (for tests and tools that inspect the pool)."""
+        return self._k, self._v

@@ -1,0 +1,71 @@
+"""From a validated Config to a running Engine: find backends, check devices
+and precisions, load models with progress, build the drafter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetero_sd.backends.base import Runner
+from hetero_sd.backends.registry import Registry, discover
+from hetero_sd.config import Config, ModelPlacement, resolve_model
+from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.engine import Engine
+from hetero_sd.errors import BackendError
+from hetero_sd.ir.model import ModelIR, load_model_ir
+
+
+def _progress_bar(enabled: bool, label: str):
+    if not enabled:
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(desc=label, unit="tensor", leave=False)
+
+    def update(i: int, total: int, name: str) -> None:
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix_str(name[-40:], refresh=False)
+
+    return update, bar
+
+
+def load_runner(registry: Registry, place: ModelPlacement | object, model: ModelIR, kv_budget: int,
+                role: str, progress: bool) -> Runner:
+    backend = registry.get(place.backend)
+    devices = {d.device: d for d in backend.probe()}
+    device = place.device
+    if device not in devices and f"{device}:0" not in devices:
+        raise BackendError(f"{role}: backend {place.backend!r} has no device {device!r} on this host; "
+                           f"available: {', '.join(devices) or 'none'}")
+    info = devices.get(device) or devices[f"{device}:0"]
+    precision = info.default_precision if place.precision == "default" else place.precision
+    if info.precision(precision) is None:
+        raise BackendError(f"{role}: {place.backend}:{info.device} does not support precision "
+                           f"{precision!r}; supported: {', '.join(p.name for p in info.precisions)}")
+    update, bar = _progress_bar(progress, f"loading {role} on {place.backend}:{info.device} {precision}")
+    try:
+        return backend.load(model, info.device, precision, kv_budget, progress=update)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def build_engine(cfg: Config, progress: bool = False) -> Engine:
+    base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
+    registry = discover()
+    target_ir = load_model_ir(resolve_model(cfg.target.model, base))
+    target = load_runner(registry, cfg.target, target_ir, cfg.memory.kv_budget, "target", progress)
+    drafter = None
+    d = cfg.drafter
+    if d.kind == "ngram":
+        drafter = NgramDrafter(d.min_ngram, d.max_ngram)
+    elif d.kind == "model":
+        draft_ir = load_model_ir(resolve_model(d.model or cfg.target.model, base))
+        runner = load_runner(registry, d, draft_ir, cfg.memory.kv_budget, "draft model", progress)
+        drafter = ModelDrafter(runner, target.vocab_size, f"draft model {draft_ir.source.name}")
+    tokenizer = target_ir.load_tokenizer()
+    eos = set(target_ir.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Engine(target, drafter, k=d.k, tokenizer=tokenizer, eos_ids=tuple(sorted(eos)),
+                  max_new_tokens=cfg.generation.max_new_tokens, stop=tuple(cfg.generation.stop),
+                  chat_template=cfg.generation.chat_template)

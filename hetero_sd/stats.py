@@ -1,0 +1,66 @@
+"""Per-request statistics: what a user needs to judge a speculative run."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class GenerationStats:
+    mode: str  # "target-only" | "ngram" | "model"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # target calls after prefill (one per verify)
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""  # "eos" | "length" | "stop" | "context"
+    lossless: str = "exact"  # "exact" or "up to numerics" (target not batch-invariant)
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per verify round."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Committed tokens per target call (accepted + bonus)."""
+        return self.mean_accepted + 1.0 if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode = self.total_s - self.prefill_s
+        return (self.new_tokens - 1) / decode if decode > 0 and self.new_tokens > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("other_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
+                     "tokens_per_s", "decode_tokens_per_s"):
+            out[name] = getattr(self, name)
+        return out
+
+    def summary(self) -> str:
+        line = (f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.tokens_per_s:.1f} tok/s, "
+                f"decode {self.decode_tokens_per_s:.1f} tok/s) | {self.mode}")
+        if self.mode != "target-only":
+            line += (f" | acceptance {self.acceptance_rate:.0%} | mean accepted "
+                     f"{self.mean_accepted:.2f}/round over {self.rounds} rounds")
+        line += (f" | prefill {self.prefill_s:.2f}s draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s "
+                 f"other {self.other_s:.2f}s | finish: {self.finish_reason}")
+        if self.lossless != "exact":
+            line += f" | lossless {self.lossless}"
+        return line

@@ -1,0 +1,30 @@
+"""Error types shared by every layer.
+
+They live in the lowest layer (the IR) so backends and the scheduler can raise
+them without importing the engine; `hetero_sd.errors` re-exports them.
+"""
+
+
+class HeteroSDError(Exception):
+    """Base class: every error a user can cause is one of these, with a message
+    that names the problem and, where there is a choice, what is allowed."""
+
+
+class ModelLoadError(HeteroSDError):
+    """A model path, file or tensor could not be read as a supported model."""
+
+
+class ConfigError(HeteroSDError):
+    """A YAML file or an option is malformed or names something unknown."""
+
+
+class BackendError(HeteroSDError):
+    """A backend or device is unknown, absent, or refused the requested work."""
+
+
+class KVBudgetError(BackendError):
+    """A KV-cache pool cannot hold what was asked of it."""
+
+
+class GenerationError(HeteroSDError):
+    """A request cannot be served as asked (too long a prompt, ...)."""

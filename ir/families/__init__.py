@@ -1,0 +1,33 @@
+"""Model families: one module each, found by HF model_type or GGUF architecture.
+
+A family module provides HF_MODEL_TYPES, GGUF_ARCHS, config_from_hf,
+config_from_gguf, weight_names, gguf_name_map, gguf_fixup and a Forward class.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from hetero_sd.ir.errors import ModelLoadError
+from hetero_sd.ir.families import llama
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama}
+
+
+def _lookup(attr: str, key: str, what: str) -> ModuleType:
+    for module in FAMILIES.values():
+        if key in getattr(module, attr):
+            return module
+    known = sorted(k for m in FAMILIES.values() for k in getattr(m, attr))
+    raise ModelLoadError(f"unsupported {what} {key!r}; supported: {', '.join(known)}")
+
+
+def family_for_hf(model_type: str) -> ModuleType:
+    return _lookup("HF_MODEL_TYPES", model_type, "model_type")
+
+
+def family_for_gguf(arch: str) -> ModuleType:
+    return _lookup("GGUF_ARCHS", arch, "GGUF architecture")
+
+
+def family(name: str) -> ModuleType:
+    return FAMILIES[name]

@@ -1,0 +1,121 @@
+"""The model IR: hyper-parameters, lazily loaded named weights, tokenizer source.
+
+`load_model_ir(path)` accepts a Hugging Face folder (config.json,
+*.safetensors, tokenizer files) or a GGUF file. Nothing heavy happens here:
+weights stay on disk until a backend asks for them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from hetero_sd.ir import families
+from hetero_sd.ir.config import ModelConfig
+from hetero_sd.ir.errors import ModelLoadError
+from hetero_sd.ir.weights import GGUFSource, SafetensorsSource, WeightSource
+
+
+@dataclass
+class ModelIR:
+    config: ModelConfig
+    weights: WeightSource
+    source: Path  # the folder or .gguf file it came from
+    fmt: str  # "hf" | "gguf"
+
+    @property
+    def family(self):
+        return families.family(self.config.family)
+
+    def weight_names(self) -> list[str]:
+        return self.family.weight_names(self.config)
+
+    def iter_weights(self, progress: Callable[[int, int, str], None] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight the family needs, in order, checking none is missing."""
+        names = self.weight_names()
+        available = set(self.weights.names())
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ModelLoadError(f"{self.source}: {len(missing)} required tensor(s) missing, "
+                                 f"first {missing[0]!r}")
+        for i, name in enumerate(names):
+            if progress is not None:
+                progress(i, len(names), name)
+            yield name, self.weights.get(name)
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            if self.fmt == "gguf":
+                return AutoTokenizer.from_pretrained(str(self.source.parent), gguf_file=self.source.name)
+            return AutoTokenizer.from_pretrained(str(self.source))
+        except Exception as exc:  # transformers raises many types here
+            raise ModelLoadError(f"{self.source}: cannot build a tokenizer ({exc})") from exc
+
+    def fingerprint(self) -> str:
+        """Identity of the model for caches and vocabulary checks."""
+        st = self.source.stat()
+        return f"{self.source.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def load_model_ir(path: str | Path) -> ModelIR:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        return _load_hf(path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path)
+    raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+
+
+def _load_hf(folder: Path) -> ModelIR:
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_path}: invalid JSON ({exc})") from exc
+    fam = families.family_for_hf(hf.get("model_type", "<missing model_type>"))
+    return ModelIR(fam.config_from_hf(hf), SafetensorsSource(folder), folder, "hf")
+
+
+def _load_gguf(path: Path) -> ModelIR:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            fields[key] = field.data  # only the count is needed here; skip decoding 50k strings
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # exotic field types we never read
+            continue
+    arch = fields.get("general.architecture", "<missing general.architecture>")
+    fam = families.family_for_gguf(arch)
+    cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors})
+    source = GGUFSource(reader, path, fam.gguf_name_map(cfg), fam.gguf_fixup(cfg, arch))
+    return ModelIR(cfg, source, path, "gguf")
+
+
+def reference_logits(model: ModelIR, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits [T, vocab] of the reference forward on a fresh cache (for tests and tools)."""
+    cfg = model.config
+    weights = {n: t.to(dtype) for n, t in model.iter_weights()}
+    forward = model.family.Forward(cfg, weights, dtype)
+    n = len(token_ids)
+    shape = (cfg.num_layers, cfg.num_kv_heads, n, cfg.head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    with torch.inference_mode():
+        return forward(torch.tensor(token_ids, dtype=torch.long), 0, k_cache, v_cache, num_logits=n)

@@ -1,0 +1,92 @@
+"""Named weight tensors, read lazily from safetensors folders or GGUF files.
+
+A weight source answers `names()` and `get(name)`; names follow Hugging Face
+conventions ("model.layers.0.self_attn.q_proj.weight") whatever the file
+format, so a model family maps names once. Tensors come back as float32 CPU
+torch tensors; a backend casts them to its own precision.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from hetero_sd.ir.errors import ModelLoadError
+
+
+class WeightSource(Protocol):
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class SafetensorsSource:
+    """One `model.safetensors` or shards listed in `model.safetensors.index.json`."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{folder}: no *.safetensors files (a Hugging Face folder needs weights)")
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for fname in files:
+            path = folder / fname
+            if not path.exists():
+                raise ModelLoadError(f"{folder}: shard {fname} named in the index is missing")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
+            self._handles[fname] = handle
+            for key in handle.keys():
+                self._where[key] = fname
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files")
+        return self._handles[self._where[name]].get_tensor(name).to(torch.float32)
+
+
+class GGUFSource:
+    """Tensors of a GGUF file under Hugging Face names, dequantized on demand.
+
+    `name_map` maps HF names to GGUF names; `fixup(hf_name, array)` undoes
+    format-specific layouts (llama.cpp permutes Llama Q/K rows for its RoPE).
+    """
+
+    def __init__(self, reader, path: Path, name_map: dict[str, str],
+                 fixup: Callable[[str, np.ndarray], np.ndarray] | None = None):
+        self.path = path
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._map = {hf: g for hf, g in name_map.items() if g in self._tensors}
+        self._fixup = fixup
+
+    def names(self) -> list[str]:
+        return list(self._map)
+
+    def get(self, name: str) -> torch.Tensor:
+        import gguf
+
+        if name not in self._map:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
+        tensor = self._tensors[self._map[name]]
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if self._fixup is not None:
+            array = self._fixup(name, array)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, copy=True)  # F32 tensors are read-only views of the mmap
+        return torch.from_numpy(array)

@@ -1,0 +1,84 @@
+"""The work IR: flat records for the units of work the engine hands out.
+
+Glossary (follows vLLM's rejection sampler): *draft* tokens are proposed by a
+drafter; *accepted* tokens are the draft prefix the target agrees with; the
+*bonus* token is the target's own next token after the accepted prefix (a
+correction when a draft was rejected, a free extra token when all were kept).
+
+Every record has a fixed header of int32 fields plus at most one int32 token
+array, so it packs to bytes with `struct` and can cross a process boundary in
+shared memory without pickling.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field, fields
+
+MAX_DRAFT_TOKENS = 16  # upper bound on k; keeps verify records a fixed maximum size
+
+
+class _Record:
+    KIND = 0
+
+    def pack(self) -> bytes:
+        values = [getattr(self, f.name) for f in fields(self)]
+        ints, tokens = values[:-1], values[-1]
+        return struct.pack(f"<{2 + len(ints)}i{len(tokens)}i", self.KIND, len(tokens), *ints, *tokens)
+
+    @classmethod
+    def unpack(cls, buf: bytes):
+        n_ints = len(fields(cls)) - 1
+        kind, n_tok, *ints = struct.unpack_from(f"<{2 + n_ints}i", buf)
+        if kind != cls.KIND:
+            raise ValueError(f"record kind {kind} is not a {cls.__name__} ({cls.KIND})")
+        tokens = list(struct.unpack_from(f"<{n_tok}i", buf, 4 * (2 + n_ints)))
+        return cls(*ints, tokens)
+
+
+@dataclass
+class DraftRequest(_Record):
+    """Propose up to k tokens. The drafter first rolls its view of the sequence
+    back to `base_len` committed tokens, then appends `new_tokens` (the tokens
+    committed since its last request; the whole prompt on the first)."""
+
+    KIND = 1
+    seq_id: int
+    base_len: int
+    k: int  # 1..MAX_DRAFT_TOKENS
+    new_tokens: list[int] = field(default_factory=list)  # [n_new] int32
+
+
+@dataclass
+class DraftResult(_Record):
+    KIND = 2
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)  # [<=k] int32 proposed ids, may be empty
+
+
+@dataclass
+class VerifyRequest(_Record):
+    """Score `tokens` at positions [start, start+T): the last committed token
+    followed by the drafts, so row i predicts the token after tokens[i]."""
+
+    KIND = 3
+    seq_id: int
+    start: int
+    tokens: list[int] = field(default_factory=list)  # [1 + n_draft] int32
+
+
+@dataclass
+class VerifyResult(_Record):
+    KIND = 4
+    seq_id: int
+    accepted: int  # number of draft tokens kept, 0..n_draft
+    tokens: list[int] = field(default_factory=list)  # [accepted + 1] committed ids: accepted + bonus
+
+
+@dataclass
+class TruncateRequest(_Record):
+    """Roll a sequence's cache back to `length` positions (a pointer move)."""
+
+    KIND = 5
+    seq_id: int
+    length: int
+    tokens: list[int] = field(default_factory=list)  # unused; keeps one record shape
