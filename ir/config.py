@@ -20,6 +20,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     rope_scaling: dict | None = None  # HF-style dict with "rope_type"; None = plain RoPE
+    rope_freq_factors: tuple[float, ...] | None = None  # llama.cpp's rope_freqs (llama3 GGUF)
     sliding_window: int | None = None  # attend to at most this many previous positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

@@ -82,8 +82,12 @@ def _load_hf(folder: Path) -> ModelIR:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg_path}: invalid JSON ({exc})") from exc
-    fam = families.family_for_hf(hf.get("model_type", "<missing model_type>"))
-    return ModelIR(fam.config_from_hf(hf), SafetensorsSource(folder), folder, "hf")
+    try:
+        fam = families.family_for_hf(hf.get("model_type", "<missing model_type>"))
+        cfg = fam.config_from_hf(hf)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{cfg_path}: {exc}") from None
+    return ModelIR(cfg, SafetensorsSource(folder), folder, "hf")
 
 
 def _load_gguf(path: Path) -> ModelIR:
@@ -103,8 +107,13 @@ def _load_gguf(path: Path) -> ModelIR:
         except Exception:  # exotic field types we never read
             continue
     arch = fields.get("general.architecture", "<missing general.architecture>")
-    fam = families.family_for_gguf(arch)
-    cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors})
+    try:
+        fam = families.family_for_gguf(arch)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    rope_freqs = next((tuple(float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).ravel())
+                       for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors}, rope_freqs)
     source = GGUFSource(reader, path, fam.gguf_name_map(cfg), fam.gguf_fixup(cfg, arch))
     return ModelIR(cfg, source, path, "gguf")
 

@@ -58,7 +58,8 @@ class SafetensorsSource:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files")
-        return self._handles[self._where[name]].get_tensor(name).to(torch.float32)
+        # copy: a float32 tensor would otherwise alias the memory-mapped file
+        return self._handles[self._where[name]].get_tensor(name).to(torch.float32, copy=True)
 
 
 class GGUFSource:

@@ -66,7 +66,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
-def config_from_gguf(fields: dict, arch: str, tensor_names: set[str]) -> ModelConfig:
+def config_from_gguf(fields: dict, arch: str, tensor_names: set[str],
+                     rope_freqs: tuple[float, ...] | None = None) -> ModelConfig:
     def get(key, default=None):
         full = f"{arch}.{key}"
         if full in fields:
@@ -102,6 +103,7 @@ def config_from_gguf(fields: dict, arch: str, tensor_names: set[str]) -> ModelCo
         attention_bias=arch == "qwen2",
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        rope_freq_factors=rope_freqs,
     )
 
 
@@ -161,6 +163,8 @@ def gguf_fixup(cfg: ModelConfig, arch: str):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_freq_factors is not None:  # GGUF stores llama3 scaling as divisors
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     sc = cfg.rope_scaling
     if sc is None:
         return inv

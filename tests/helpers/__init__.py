@@ -1,0 +1,1 @@
+"""Test helpers: tiny real model files built on the fly (no model hub needed)."""

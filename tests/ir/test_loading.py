@@ -1,0 +1,360 @@
+"""Loading: config parsing, error messages, lazy weights, tokenizers."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import tiny_models as tm
+from helpers.tiny_models import hf_logits, random_prompt
+from hetero_sd.errors import HeteroSDError, ModelLoadError
+from hetero_sd.ir import load_model_ir, reference_logits
+
+COMMON = dict(
+    family="llama", vocab_size=tm.VOCAB_SIZE, hidden_size=tm.HIDDEN, intermediate_size=tm.INTERMEDIATE,
+    num_layers=tm.NUM_LAYERS, num_heads=tm.NUM_HEADS, num_kv_heads=tm.NUM_KV_HEADS, head_dim=tm.HEAD_DIM,
+    max_position_embeddings=tm.MAX_POSITIONS, bos_token_id=tm.BOS_ID,
+)
+
+EXPECTED = {
+    "llama": dict(rope_theta=50000.0, rope_scaling=None, tie_word_embeddings=False,
+                  attention_bias=False, sliding_window=None, eos_token_ids=(tm.EOS_ID,)),
+    "llama-tied": dict(rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
+                       attention_bias=False, sliding_window=None, eos_token_ids=(tm.EOS_ID,)),
+    "llama-rope-linear": dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                              tie_word_embeddings=False, attention_bias=False, sliding_window=None,
+                              eos_token_ids=(tm.EOS_ID,)),
+    "llama3-rope": dict(rope_theta=10000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                        tie_word_embeddings=False, attention_bias=False, sliding_window=None,
+                        eos_token_ids=(tm.EOS_ID,)),
+    "mistral-swa": dict(rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+                        attention_bias=False, sliding_window=8, eos_token_ids=(tm.EOS_ID,)),
+    # Qwen2 configs carry sliding_window settings that are off unless use_sliding_window.
+    "qwen2": dict(rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False,
+                  attention_bias=True, sliding_window=None, eos_token_ids=(tm.IM_END_ID, tm.EOS_ID)),
+}
+
+
+def _check_config(cfg, expected: dict, what: str):
+    for key, want in {**COMMON, **expected}.items():
+        got = getattr(cfg, key)
+        if key == "rope_scaling" and want is not None:
+            assert got is not None, f"{what}: rope_scaling missing"
+            # Extra keys (e.g. a carried-over rope_theta) are tolerated; the ones the forward uses must match.
+            assert {k: got.get(k) for k in want} == want, f"{what}: rope_scaling {got}"
+        elif key == "eos_token_ids":
+            assert tuple(got) == want, f"{what}: eos_token_ids {got}"
+        else:
+            assert got == want, f"{what}: {key} = {got!r}, want {want!r}"
+    assert cfg.rms_norm_eps == pytest.approx(tm.RMS_EPS, rel=1e-6)
+
+
+# ------------------------------------------------------------------------ config
+@pytest.mark.parametrize("variant", tm.VARIANTS)
+def test_hf_config_fields(tiny_model_dir, variant):
+    ir = load_model_ir(tiny_model_dir(variant))
+    _check_config(ir.config, EXPECTED[variant], variant)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "llama-rope-linear", "qwen2"])
+def test_gguf_config_fields(tiny_gguf, variant):
+    ir = load_model_ir(tiny_gguf(variant, "Q8_0"))
+    expected = dict(EXPECTED[variant])
+    # A GGUF names a single end-of-sequence token (the tokenizer's eos).
+    expected["eos_token_ids"] = (tm.EOS_ID,)
+    _check_config(ir.config, expected, f"{variant} GGUF")
+
+
+def test_accepts_str_and_path(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    assert load_model_ir(str(folder)).config == load_model_ir(folder).config
+
+
+def test_legacy_transformers4_config(tiny_model_dir, tmp_path):
+    """Checkpoints written by transformers 4.x keep rope_theta at top level and use rope_scaling."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(tiny_model_dir("llama-rope-linear"), legacy)
+    cfg = json.loads((legacy / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params["rope_theta"]
+    cfg["rope_scaling"] = {"type": "linear", "factor": params["factor"]}  # oldest spelling: "type"
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    ir = load_model_ir(legacy)
+    assert ir.config.rope_theta == 10000.0
+    assert ir.config.rope_scaling["rope_type"] == "linear" and ir.config.rope_scaling["factor"] == 2.0
+    ids = random_prompt(20, seed=7)
+    ours, ref = reference_logits(ir, ids), hf_logits(legacy, ids)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+# ------------------------------------------------------------------------ errors
+def _copy(folder, dst):
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def _load_everything(path):
+    """Load the IR and touch every weight (an error may surface at load time or at first use)."""
+    ir = load_model_ir(path)
+    reference_logits(ir, [tm.BOS_ID, 10, 11])
+    return ir
+
+
+def test_error_types():
+    assert issubclass(ModelLoadError, HeteroSDError)
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError) as err:
+        load_model_ir(missing)
+    msg = str(err.value)
+    assert "no-such-model" in msg and "exist" in msg.lower()
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="nothere.gguf"):
+        load_model_ir(tmp_path / "nothere.gguf")
+
+
+def test_folder_without_config(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "noconfig")
+    (folder / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model_ir(folder)
+
+
+def test_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model_ir(tmp_path / "empty")
+
+
+def test_folder_without_weights(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "noweights")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        _load_everything(folder)
+
+
+def test_invalid_config_json(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "badjson")
+    (folder / "config.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model_ir(folder)
+
+
+def test_unsupported_model_type(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "neox")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as err:
+        load_model_ir(folder)
+    msg = str(err.value)
+    assert "gpt_neox" in msg
+    assert "llama" in msg  # names what is supported
+
+
+def test_unsupported_rope_type(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama-rope-linear"), tmp_path / "yarn")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 64}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="yarn"):
+        load_model_ir(folder)
+
+
+def test_removed_tensor(tiny_model_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "removed")
+    weights = load_file(str(folder / "model.safetensors"))
+    gone = "model.layers.1.mlp.down_proj.weight"
+    del weights[gone]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=gone.replace(".", r"\.")):
+        _load_everything(folder)
+    ir = load_model_ir(folder)  # the names that are present still load
+    with pytest.raises(ModelLoadError, match=gone.replace(".", r"\.")):
+        ir.weights.get(gone)
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "truncated")
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        _load_everything(folder)
+
+
+def test_missing_shard(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama", shards=3), tmp_path / "shardless")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    (folder / victim).unlink()
+    with pytest.raises(ModelLoadError, match=victim.replace(".", r"\.")):
+        _load_everything(folder)
+
+
+def test_gguf_missing_tensor(tiny_model_dir, tmp_path):
+    path = tm.make_gguf(tiny_model_dir("llama"), tmp_path / "drop" / "drop.gguf", "F32",
+                        drop=("blk.1.ffn_down.weight",))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.weight|blk\.1\.ffn_down"):
+        _load_everything(path)
+
+
+def test_gguf_unsupported_architecture(tiny_model_dir, tmp_path):
+    path = tm.make_gguf(tiny_model_dir("llama"), tmp_path / "falcon" / "falcon.gguf", "F32", arch="falcon")
+    with pytest.raises(ModelLoadError) as err:
+        load_model_ir(path)
+    assert "falcon" in str(err.value) and "llama" in str(err.value)
+
+
+def test_truncated_gguf(tiny_gguf, tmp_path):
+    data = tiny_gguf("llama", "F32").read_bytes()
+    path = tmp_path / "cut" / "cut.gguf"
+    path.parent.mkdir()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        _load_everything(path)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="garbage.gguf"):
+        load_model_ir(path)
+
+
+def test_unknown_file_kind(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="model.bin"):
+        load_model_ir(path)
+
+
+# ------------------------------------------------------------------------ laziness
+def test_hf_weights_are_lazy(tiny_model_dir, monkeypatch):
+    """Loading opens the safetensors files but reads no tensor; `get` reads exactly one."""
+    import safetensors
+
+    reads: list[str] = []
+    real_open = safetensors.safe_open
+
+    class CountingHandle:
+        def __init__(self, *args, **kwargs):
+            self._h = real_open(*args, **kwargs)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self._h.get_tensor(name)
+
+        def get_slice(self, name):
+            reads.append(name)
+            return self._h.get_slice(name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def __getattr__(self, attr):
+            return getattr(self._h, attr)
+
+    monkeypatch.setattr(safetensors, "safe_open", CountingHandle)
+    ir = load_model_ir(tiny_model_dir("llama"))
+    assert reads == [], f"load_model_ir read tensors eagerly: {reads[:5]}"
+    names = ir.weights.names()
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+    assert reads == []
+    w = ir.weights.get("model.layers.0.self_attn.q_proj.weight")
+    assert reads == ["model.layers.0.self_attn.q_proj.weight"]
+    assert w.dtype == torch.float32 and tuple(w.shape) == (tm.NUM_HEADS * tm.HEAD_DIM, tm.HIDDEN)
+
+
+def test_gguf_weights_are_lazy(tiny_gguf, monkeypatch):
+    """Loading a GGUF dequantizes nothing; `get` dequantizes exactly the one tensor."""
+    import gguf
+
+    calls: list[tuple] = []
+    real = gguf.quants.dequantize
+
+    def counting(data, qtype):
+        calls.append((tuple(data.shape), qtype))
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counting)
+    ir = load_model_ir(tiny_gguf("llama", "Q8_0"))
+    assert calls == []
+    assert "model.layers.1.mlp.down_proj.weight" in ir.weights.names()
+    w = ir.weights.get("model.layers.1.mlp.down_proj.weight")
+    assert len(calls) == 1 and calls[0][1] == gguf.GGMLQuantizationType.Q8_0
+    assert w.dtype == torch.float32 and tuple(w.shape) == (tm.HIDDEN, tm.INTERMEDIATE)
+
+
+@pytest.mark.parametrize("fmt", [
+    "hf",
+    "gguf",
+])
+def test_get_returns_independent_tensors(tiny_model_dir, tiny_gguf, fmt):
+    """Backends may cast or edit weights in place; that must not leak into later gets."""
+    ir = load_model_ir(tiny_model_dir("llama") if fmt == "hf" else tiny_gguf("llama", "F32"))
+    name = "model.layers.0.input_layernorm.weight"
+    before = ir.weights.get(name).clone()
+    ir.weights.get(name).add_(1.0)
+    assert torch.equal(ir.weights.get(name), before)
+
+
+def test_gguf_names_are_hf_names(tiny_gguf):
+    names = set(load_model_ir(tiny_gguf("qwen2", "F32")).weights.names())
+    assert "model.layers.0.self_attn.q_proj.bias" in names
+    assert "model.layers.1.mlp.gate_proj.weight" in names
+    assert not any(n.startswith(("blk.", "token_embd", "output")) for n in names)
+    tied = set(load_model_ir(tiny_gguf("llama-tied", "F32")).weights.names())
+    assert "lm_head.weight" not in tied and "model.embed_tokens.weight" in tied
+
+
+# ------------------------------------------------------------------------ tokenizers
+SENTENCE = "The quick brown fox asked the robot: why is the sky blue? 12345 boats!"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+CHATML = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _check_tokenizer(tok, what):
+    ids = tok(SENTENCE, add_special_tokens=False).input_ids
+    assert all(0 <= i < tm.VOCAB_SIZE for i in ids)
+    assert len(ids) < len(SENTENCE), f"{what}: no merges applied"
+    assert tok.decode(ids) == SENTENCE, f"{what}: round trip gave {tok.decode(ids)!r}"
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert text == CHATML, f"{what}: chat template gave {text!r}"
+    chat_ids = tok(text, add_special_tokens=False).input_ids
+    assert chat_ids.count(tm.IM_START_ID) == 3 and chat_ids.count(tm.IM_END_ID) == 2, \
+        f"{what}: ChatML markers not single special tokens: {chat_ids}"
+    assert tok.convert_tokens_to_ids(tok.eos_token) == tm.EOS_ID
+    assert tok.convert_tokens_to_ids(tok.bos_token) == tm.BOS_ID
+    return ids
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_tokenizer_folder_and_gguf_agree(tiny_model_dir, tiny_gguf, variant):
+    from_folder = _check_tokenizer(load_model_ir(tiny_model_dir(variant)).load_tokenizer(), f"{variant} folder")
+    from_gguf = _check_tokenizer(load_model_ir(tiny_gguf(variant, "F32")).load_tokenizer(), f"{variant} GGUF")
+    assert from_folder == from_gguf
+
+
+def test_tokenizer_missing_raises_model_load_error(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama"), tmp_path / "notok")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink()
+    ir = load_model_ir(folder)  # weights and config are fine
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        ir.load_tokenizer()
