@@ -9,7 +9,7 @@ from hetero_sd.backends.registry import Registry, discover
 from hetero_sd.config import Config, ModelPlacement, resolve_model
 from hetero_sd.drafters import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
-from hetero_sd.errors import BackendError
+from hetero_sd.errors import BackendError, ConfigError
 from hetero_sd.ir.model import ModelIR, load_model_ir
 
 
@@ -49,6 +49,13 @@ def load_runner(registry: Registry, place: ModelPlacement | object, model: Model
             bar.close()
 
 
+def _check_same_tokenizer(target_tok, draft_ir: ModelIR) -> None:
+    """Equal vocabulary sizes are not enough: the same id must mean the same text."""
+    if draft_ir.load_tokenizer().get_vocab() != target_tok.get_vocab():
+        raise ConfigError(f"draft model {draft_ir.source} has the target's vocabulary size but a "
+                          "different tokenizer; draft and target must share a tokenizer")
+
+
 def build_engine(cfg: Config, progress: bool = False) -> Engine:
     base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
     registry = discover()
@@ -63,6 +70,8 @@ def build_engine(cfg: Config, progress: bool = False) -> Engine:
         runner = load_runner(registry, d, draft_ir, cfg.memory.kv_budget, "draft model", progress)
         drafter = ModelDrafter(runner, target.vocab_size, f"draft model {draft_ir.source.name}")
     tokenizer = target_ir.load_tokenizer()
+    if d.kind == "model" and draft_ir.source.resolve() != target_ir.source.resolve():
+        _check_same_tokenizer(tokenizer, draft_ir)
     eos = set(target_ir.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

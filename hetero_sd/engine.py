@@ -92,8 +92,9 @@ class Engine:
         if not target.precision.batch_invariant:
             stats.lossless = "up to numerics"
         stopper = StopChecker(budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
-        # Positions: prompt + budget, plus room to verify k drafts past the last token.
-        capacity = min(n + budget + self.policy.k + 1, target.max_context)
+        # Drafts are capped at the tokens still wanted, so no verify writes past
+        # position n + budget - 2: the prompt plus the budget always suffices.
+        capacity = min(n + budget, target.max_context)
         t_start = time.perf_counter()
         seq = target.allocate(capacity)
         try:

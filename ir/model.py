@@ -57,11 +57,6 @@ class ModelIR:
         except Exception as exc:  # transformers raises many types here
             raise ModelLoadError(f"{self.source}: cannot build a tokenizer ({exc})") from exc
 
-    def fingerprint(self) -> str:
-        """Identity of the model for caches and vocabulary checks."""
-        st = self.source.stat()
-        return f"{self.source.resolve()}:{st.st_size}:{int(st.st_mtime)}"
-
 
 def load_model_ir(path: str | Path) -> ModelIR:
     path = Path(path).expanduser()

@@ -201,15 +201,13 @@ class Forward(torch.nn.Module):
         self.w = weights
         self.lm_head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         # A backend may pass a matmul whose per-row results do not depend on
-        # how many rows run together; forward(exact=True) then uses it and a
+        # how many rows run together; forward(exact=True) then uses it with a
         # row-wise attention (batch invariance). Otherwise: the fastest ops.
         self._exact_mm = exact_linear
-        self._mm = F.linear
-        self.row_attention = False
         self.inv_freq = rope_inv_freq(cfg)
 
-    def _linear(self, x, name, bias=False):
-        return self._mm(x, self.w[name + ".weight"], self.w.get(name + ".bias") if bias else None)
+    def _linear(self, mm, x, name, bias=False):
+        return mm(x, self.w[name + ".weight"], self.w.get(name + ".bias") if bias else None)
 
     def _norm(self, x, weight):
         h = x.float()
@@ -232,7 +230,7 @@ class Forward(torch.nn.Module):
 
     def _attend(self, q, k, v, start, mask):
         gqa = self.cfg.num_heads != self.cfg.num_kv_heads
-        if not self.row_attention:
+        if mask is not None:
             end = start + q.shape[1]
             return F.scaled_dot_product_attention(q, k[:, :end], v[:, :end], attn_mask=mask, enable_gqa=gqa)
         # One query row at a time over exactly its visible keys: the same shapes
@@ -250,28 +248,30 @@ class Forward(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, start: int, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, num_logits: int = 1, exact: bool = False) -> torch.Tensor:
         exact = exact and self._exact_mm is not None
-        self._mm = self._exact_mm if exact else F.linear
-        self.row_attention = exact
-        cfg = self.cfg
-        n, end = tokens.shape[0], start + tokens.shape[0]
+        mm = self._exact_mm if exact else F.linear
+        n = tokens.shape[0]
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
-        cos, sin = self._rope(start, n)
-        mask = None if self.row_attention else self._mask(start, n)
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            h = self._norm(x, self.w[p + "input_layernorm.weight"])
-            q = self._linear(h, p + "self_attn.q_proj", cfg.attention_bias)
-            k = self._linear(h, p + "self_attn.k_proj", cfg.attention_bias)
-            v = self._linear(h, p + "self_attn.v_proj", cfg.attention_bias)
-            q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-            k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            k_cache[i, :, start:end] = k * cos + _rotate_half(k) * sin
-            v_cache[i, :, start:end] = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-            att = self._attend(q, k_cache[i], v_cache[i], start, mask)
-            x = x + self._linear(att.transpose(0, 1).reshape(n, -1), p + "self_attn.o_proj")
-            h = self._norm(x, self.w[p + "post_attention_layernorm.weight"])
-            gate = F.silu(self._linear(h, p + "mlp.gate_proj"))
-            x = x + self._linear(gate * self._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+        rope = self._rope(start, n)
+        mask = None if exact else self._mask(start, n)  # no mask: attention row by row
+        for i in range(self.cfg.num_layers):
+            x = self._layer(i, x, start, rope, k_cache[i], v_cache[i], mm, mask)
         h = self._norm(x[n - num_logits:], self.w["model.norm.weight"])
-        return self._mm(h, self.lm_head).float()
+        return mm(h, self.lm_head).float()
+
+    def _layer(self, i, x, start, rope, k_cache, v_cache, mm, mask):
+        cfg, p, (cos, sin) = self.cfg, f"model.layers.{i}.", rope
+        n, end = x.shape[0], start + x.shape[0]
+        h = self._norm(x, self.w[p + "input_layernorm.weight"])
+        q = self._linear(mm, h, p + "self_attn.q_proj", cfg.attention_bias)
+        k = self._linear(mm, h, p + "self_attn.k_proj", cfg.attention_bias)
+        v = self._linear(mm, h, p + "self_attn.v_proj", cfg.attention_bias)
+        q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin
+        k_cache[:, start:end] = k * cos + _rotate_half(k) * sin
+        v_cache[:, start:end] = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        att = self._attend(q, k_cache, v_cache, start, mask)
+        x = x + self._linear(mm, att.transpose(0, 1).reshape(n, -1), p + "self_attn.o_proj")
+        h = self._norm(x, self.w[p + "post_attention_layernorm.weight"])
+        gate = F.silu(self._linear(mm, h, p + "mlp.gate_proj"))
+        return x + self._linear(mm, gate * self._linear(mm, h, p + "mlp.up_proj"), p + "mlp.down_proj")

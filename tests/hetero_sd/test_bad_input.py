@@ -225,11 +225,13 @@ def test_empty_prompt_and_zero_budget(tmp_path, llama_dir):
 
 
 def test_kv_budget_error_is_a_backend_error_and_the_pool_recovers(tmp_path, llama_dir):
-    engine = build_engine(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir, memory="kv_budget: 4KiB"))))
+    # 8KiB at 512 bytes a position (2 layers x 2 KV heads x 16 dims x K,V x fp32) = 16 positions.
+    engine = build_engine(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir, memory="kv_budget: 8KiB"))))
+    assert engine.target.usage().capacity_tokens == 16
     msg = error_of(lambda: engine.generate_ids(list(range(4, 24)), max_new_tokens=4), KVBudgetError)
-    assert "memory.kv_budget" in msg and "needs" in msg
+    assert "memory.kv_budget" in msg and "needs" in msg and "16 of 16 are free" in msg
     assert issubclass(KVBudgetError, BackendError)
-    # A request that fits the 8 positions still runs afterwards (nothing leaked).
+    # A request that fits the 16 positions still runs afterwards (nothing leaked).
     result = engine.generate_ids([4, 5], max_new_tokens=1)
     assert len(result.token_ids) == 1
     assert engine.target.usage().sequences == 0

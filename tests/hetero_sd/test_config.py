@@ -169,9 +169,6 @@ def test_override_does_not_modify_the_file(tmp_path):
     assert load_config(path).generation.max_new_tokens == 50
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="library bug: _merge assumes every section on the dotted path is a mapping; "
-                          "an empty section (`generation:` = null) raises a bare TypeError")
 def test_override_into_an_empty_section(tmp_path):
     path = write(tmp_path / "c.yaml", "generation:\n")
     assert load_config(path, {"generation.max_new_tokens": 7}).generation.max_new_tokens == 7

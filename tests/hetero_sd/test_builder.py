@@ -1,0 +1,37 @@
+"""Building an engine from YAML: a draft model must share the target's tokenizer."""
+import json
+import shutil
+
+import pytest
+
+from hetero_sd.builder import build_engine
+from hetero_sd.config import load_config
+from hetero_sd.errors import ConfigError
+
+
+def _write(tmp_path, target, draft):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"target: {{model: {target}}}\n"
+                    f"drafter: {{kind: model, model: {draft}, precision: fp32, k: 3}}\n"
+                    "memory: {kv_budget: 1MiB}\n")
+    return path
+
+
+def test_same_size_different_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model_dir("llama", seed=1), draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids mean different text
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        build_engine(load_config(_write(tmp_path, tiny_model_dir("llama"), draft)))
+
+
+def test_draft_model_with_same_tokenizer_builds_and_is_lossless(tiny_model_dir, tmp_path):
+    engine = build_engine(load_config(_write(tmp_path, tiny_model_dir("llama"), tiny_model_dir("llama", seed=1))))
+    prompt = list(range(5, 25))
+    spec, base = engine.generate_ids(prompt, 20), engine.generate_ids(prompt, 20, target_only=True)
+    assert spec.stats.mode == "model" and spec.stats.drafted > 0
+    assert spec.token_ids == base.token_ids
