@@ -81,3 +81,22 @@ class Backend(Protocol):
 
     def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
              progress=None) -> Runner: ...
+
+
+def resolve(devices: list[DeviceInfo], backend: str, device: str, precision: str
+            ) -> tuple[DeviceInfo, PrecisionInfo]:
+    """Find `device` (case-insensitive; "cuda" means "cuda:0") and `precision`
+    ("default" = the device's default) among a backend's probed devices."""
+    from hetero_sd.ir.errors import BackendError
+
+    want = device.lower()
+    info = next((d for d in devices if d.device.lower() in (want, f"{want}:0")), None)
+    if info is None:
+        raise BackendError(f"backend {backend!r} has no device {device!r} on this host; "
+                           f"available: {', '.join(d.device for d in devices) or 'none'}")
+    name = info.default_precision if precision == "default" else precision
+    prec = info.precision(name)
+    if prec is None:
+        raise BackendError(f"{backend}:{info.device} does not support precision {name!r}; "
+                           f"supported: {', '.join(p.name for p in info.precisions)}")
+    return info, prec

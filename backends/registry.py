@@ -10,7 +10,9 @@ from hetero_sd.backends.base import API_VERSION, Backend
 from hetero_sd.ir.errors import BackendError
 
 GROUP = "hetero_sd.backends"
-BUILTINS = {"torch": "hetero_sd.backends.torch_backend:TorchBackend"}
+BUILTINS = {"torch": "hetero_sd.backends.torch_backend:TorchBackend",
+            "onnxruntime": "hetero_sd.backends.ort_backend:OrtBackend",
+            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend"}
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, resolve
 from hetero_sd.backends.pool import ExtentAllocator
 from hetero_sd.backends.torch_numerics import RowStableLinear
 from hetero_sd.ir.errors import BackendError
@@ -69,21 +69,8 @@ class TorchBackend:
 
     def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
              progress=None) -> "TorchRunner":
-        info = _find_device(self.probe(), device, self.name)
-        prec = info.precision(precision)
-        if prec is None:
-            raise BackendError(f"torch:{info.device} does not support precision {precision!r}; "
-                               f"supported: {', '.join(p.name for p in info.precisions)}")
+        info, prec = resolve(self.probe(), self.name, device, precision)
         return TorchRunner(model, info, prec, kv_budget_bytes, progress)
-
-
-def _find_device(devices: list[DeviceInfo], device: str, backend: str) -> DeviceInfo:
-    want = "cuda:0" if device == "cuda" else "npu:0" if device == "npu" else device
-    for info in devices:
-        if info.device == want:
-            return info
-    raise BackendError(f"backend {backend!r} has no device {device!r} on this host; "
-                       f"available: {', '.join(d.device for d in devices)}")
 
 
 class TorchRunner:

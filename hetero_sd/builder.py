@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetero_sd.backends.base import Runner
+from hetero_sd.backends.base import Runner, resolve
 from hetero_sd.backends.registry import Registry, discover
 from hetero_sd.config import Config, ModelPlacement, resolve_model
 from hetero_sd.drafters import ModelDrafter, NgramDrafter
@@ -31,19 +31,13 @@ def _progress_bar(enabled: bool, label: str):
 def load_runner(registry: Registry, place: ModelPlacement | object, model: ModelIR, kv_budget: int,
                 role: str, progress: bool) -> Runner:
     backend = registry.get(place.backend)
-    devices = {d.device: d for d in backend.probe()}
-    device = place.device
-    if device not in devices and f"{device}:0" not in devices:
-        raise BackendError(f"{role}: backend {place.backend!r} has no device {device!r} on this host; "
-                           f"available: {', '.join(devices) or 'none'}")
-    info = devices.get(device) or devices[f"{device}:0"]
-    precision = info.default_precision if place.precision == "default" else place.precision
-    if info.precision(precision) is None:
-        raise BackendError(f"{role}: {place.backend}:{info.device} does not support precision "
-                           f"{precision!r}; supported: {', '.join(p.name for p in info.precisions)}")
-    update, bar = _progress_bar(progress, f"loading {role} on {place.backend}:{info.device} {precision}")
     try:
-        return backend.load(model, info.device, precision, kv_budget, progress=update)
+        info, precision = resolve(backend.probe(), place.backend, place.device, place.precision)
+    except BackendError as exc:
+        raise BackendError(f"{role}: {exc}") from None
+    update, bar = _progress_bar(progress, f"loading {role} on {place.backend}:{info.device} {precision.name}")
+    try:
+        return backend.load(model, info.device, precision.name, kv_budget, progress=update)
     finally:
         if bar is not None:
             bar.close()

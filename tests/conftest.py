@@ -41,6 +41,12 @@ def pytest_configure(config):
         pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _graph_cache(tmp_path_factory):
+    """Lowered graphs (ONNX) go to one cache per test session: built once, reused by every test."""
+    os.environ["HETERO_SD_CACHE"] = str(tmp_path_factory.mktemp("graph_cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: (variant, shards=1, seed=0) -> path of a saved HF folder (built once)."""

@@ -1,0 +1,52 @@
+"""On-disk cache of lowered graphs (ONNX, compiled blobs), keyed by what they
+depend on: the model file's identity, the graph builder's version, the
+precision and the runtime's version. A stale key simply misses."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from hetero_sd.ir.model import ModelIR
+
+
+def cache_root() -> Path:
+    root = os.environ.get("HETERO_SD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero-sd")
+    return Path(root)
+
+
+def model_identity(model: ModelIR) -> dict:
+    """Identity of the weights on disk: every file they come from, with size and mtime."""
+    src = model.source
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in (".safetensors", ".json"))
+    return {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
+def cache_dir(kind: str, model: ModelIR, **parts) -> Path:
+    key = json.dumps({"model": model_identity(model), **parts}, sort_keys=True, default=str)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_root() / kind / f"{model.source.stem}-{digest}"
+
+
+def cached(folder: Path, filename: str, build: Callable[[Path], None]) -> Path:
+    """Return folder/filename, building it atomically (into a temp folder, then rename) if absent."""
+    target = folder / filename
+    if target.exists():
+        return target
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".building-"))
+    try:
+        build(tmp / filename)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished first: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

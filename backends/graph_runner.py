@@ -1,0 +1,83 @@
+"""A runner for graph runtimes (onnxruntime, OpenVINO) that follow the
+`onnx_llama` contract: the backend owns a numpy KV pool; each sequence is one
+contiguous slab [2, layers, kv_heads, reserved, head_dim] bound in place as
+the graph's past inputs; the graph returns only the new positions' K/V, which
+are written into the slab. Rollback is the allocator's length."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from hetero_sd.backends.base import DeviceInfo, PoolUsage, PrecisionInfo
+from hetero_sd.backends.pool import ExtentAllocator
+from hetero_sd.ir.errors import BackendError
+from hetero_sd.ir.model import ModelIR
+
+
+class GraphRunner:
+    """Subclasses implement `_infer(feeds) -> list of outputs` in graph output order."""
+
+    def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int):
+        cfg = model.config
+        self.device, self.precision = info, precision
+        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
+        self._layers = cfg.num_layers
+        self._per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # float32 elements
+        capacity = min(kv_budget_bytes // (4 * self._per_pos), 1 << 22)
+        if capacity < 1:
+            raise BackendError(f"memory.kv_budget of {kv_budget_bytes} bytes holds no position")
+        self._alloc = ExtentAllocator(capacity, 4 * self._per_pos,
+                                      f"{info.backend}:{info.device} {precision.name} pool")
+        # zeros, not empty: masked slots are multiplied by 0 in attention and
+        # must never hold NaN; calloc'd pages still cost nothing until touched.
+        self._pool = np.zeros(capacity * self._per_pos, dtype=np.float32)
+        self._kv_shape = (2, cfg.num_layers, cfg.num_kv_heads, None, cfg.head_dim)
+        self._slabs: dict[int, np.ndarray] = {}
+
+    def allocate(self, capacity: int) -> int:
+        seq = self._alloc.allocate(capacity)
+        ext = self._alloc.extent(seq)
+        flat = self._pool[ext.offset * self._per_pos:(ext.offset + capacity) * self._per_pos]
+        shape = list(self._kv_shape)
+        shape[3] = capacity
+        self._slabs[seq] = flat.reshape(shape)
+        return seq
+
+    def _infer(self, feeds: dict) -> list:
+        raise NotImplementedError
+
+    def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+        n = len(tokens)
+        self._alloc.check_write(seq_id, start, n)
+        slab = self._slabs[seq_id]
+        feeds = {"input_ids": np.asarray(tokens, dtype=np.int64),
+                 "past_len": np.asarray(start, dtype=np.int64),
+                 "num_logits": np.asarray(num_logits, dtype=np.int64)}
+        for i in range(self._layers):
+            feeds[f"past_k_{i}"], feeds[f"past_v_{i}"] = slab[0, i], slab[1, i]
+        outputs = self._infer(feeds)
+        for i in range(self._layers):
+            slab[0, i, :, start:start + n] = outputs[1 + 2 * i]
+            slab[1, i, :, start:start + n] = outputs[2 + 2 * i]
+        return outputs[0]
+
+    def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
+        return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self._alloc.truncate(seq_id, length)
+
+    def length(self, seq_id: int) -> int:
+        return self._alloc.extent(seq_id).length
+
+    def release(self, seq_id: int) -> None:
+        self._alloc.release(seq_id)
+        self._slabs.pop(seq_id, None)
+
+    def usage(self) -> PoolUsage:
+        return self._alloc.usage()
+
+    def kv_buffers(self) -> tuple[np.ndarray]:
+        """The pool's memory (for tests that prove rollback moves no data)."""
+        return (self._pool,)

@@ -1,0 +1,144 @@
+"""Lower a Llama-family model IR to an ONNX graph (used by onnxruntime and OpenVINO).
+
+Graph contract, designed for pre-allocated KV pools and batch invariance:
+  inputs   input_ids int64 [T], past_len int64 [], num_logits int64 [],
+           past_k_{i}, past_v_{i} float [kv_heads, R, head_dim] per layer:
+           the sequence's whole reserved slab (R fixed per sequence), bound in
+           place; positions >= past_len hold stale data and are masked.
+  outputs  logits float [num_logits, vocab] (LM head only on those rows),
+           new_k_{i}, new_v_{i} float [kv_heads, T, head_dim]: only the new
+           positions, which the backend writes into its pool (it stays owner).
+Attention runs over all R slots with the new keys placed at their absolute
+positions, so every row reduces over the same R values in the same order
+whatever T is: a k-token verify rounds exactly like k one-token steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from hetero_sd.ir.families.llama import rope_inv_freq
+from hetero_sd.ir.model import ModelIR
+
+OPSET = 18
+GRAPH_VERSION = 1  # part of the cache key: bump when the graph changes
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes, self.inits, self._n = [], [], 0
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, value, hint="c", dtype=None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        name = self.name(hint)
+        self.inits.append(numpy_helper.from_array(arr, name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        out = out or self.name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+
+def _rms_norm(b: _Builder, x: str, weight: np.ndarray, eps: float) -> str:
+    mean = b.op("ReduceMean", b.op("Mul", x, x), b.const([-1], dtype=np.int64), keepdims=1)
+    inv = b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean, b.const(np.float32(eps)))))
+    return b.op("Mul", b.const(weight.astype(np.float32), "norm"), b.op("Mul", x, inv))
+
+
+def _linear(b: _Builder, x: str, weight: np.ndarray, bias: np.ndarray | None = None) -> str:
+    y = b.op("MatMul", x, b.const(np.ascontiguousarray(weight.T, dtype=np.float32), "w"))
+    return b.op("Add", y, b.const(bias.astype(np.float32), "b")) if bias is not None else y
+
+
+def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
+    lo, hi = b.name("lo"), b.name("hi")
+    b.nodes.append(helper.make_node("Split", [x, b.const([half, half], dtype=np.int64)], [lo, hi], axis=-1))
+    rotated = b.op("Concat", b.op("Neg", hi), lo, axis=-1)
+    return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+
+
+def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
+    cfg = model.config
+    weights = {n: t.numpy() for n, t in model.iter_weights(progress)}
+    b = _Builder()
+    H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
+
+    # Positions, RoPE rows, and the [T, R] visibility mask shared by all layers.
+    T = b.op("Shape", "input_ids")
+    R = b.op("Gather", b.op("Shape", "past_k_0"), i64(1), axis=0)
+    q_pos = b.op("Add", b.op("Range", b.const(np.int64(0)), b.op("Squeeze", T), b.const(np.int64(1))), "past_len")
+    k_idx = b.op("Range", b.const(np.int64(0)), b.op("Squeeze", R), b.const(np.int64(1)))
+    inv = rope_inv_freq(cfg).numpy().astype(np.float32)
+    angles = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inv[None, :]
+    emb = np.concatenate([angles, angles], axis=-1)
+    cos = b.op("Gather", b.const(np.cos(emb).astype(np.float32), "cos"), q_pos, axis=0)  # [T, D]
+    sin = b.op("Gather", b.const(np.sin(emb).astype(np.float32), "sin"), q_pos, axis=0)
+    q_col, k_row = b.op("Unsqueeze", q_pos, i64(1)), b.op("Unsqueeze", k_idx, i64(0))
+    visible = b.op("LessOrEqual", k_row, q_col)  # [T, R]
+    if cfg.sliding_window:
+        visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row), b.const(np.int64(cfg.sliding_window))))
+    visible = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)),
+                                   b.op("Concat", i64(G), T, R, axis=0)), i64(1, -1, 0), allowzero=0)
+    # New keys land at their absolute slots: slot j takes new row j - past_len.
+    rel = b.op("Sub", k_idx, "past_len")
+    is_new = b.op("And", b.op("GreaterOrEqual", rel, b.const(np.int64(0))), b.op("Less", rel, b.op("Squeeze", T)))
+    is_new = b.op("Reshape", is_new, i64(1, -1, 1))
+    gather_idx = b.op("Clip", rel, b.const(np.int64(0)), b.op("Sub", b.op("Squeeze", T), b.const(np.int64(1))))
+    minus_inf = b.const(np.float32(-np.inf))
+    scale = b.const(np.float32(1.0 / np.sqrt(D)))
+
+    x = b.op("Gather", b.const(weights["model.embed_tokens.weight"], "embed"), "input_ids", axis=0)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        bias = (lambda n: weights[p + f"self_attn.{n}_proj.bias"]) if cfg.attention_bias else (lambda n: None)
+        h = _rms_norm(b, x, weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        heads = {}
+        for n, count in (("q", H), ("k", Hkv), ("v", Hkv)):
+            y = _linear(b, h, weights[p + f"self_attn.{n}_proj.weight"], bias(n))
+            heads[n] = b.op("Transpose", b.op("Reshape", y, i64(-1, count, D)), perm=[1, 0, 2])
+        q = _rope(b, heads["q"], cos, sin, D // 2)
+        b.op("Identity", _rope(b, heads["k"], cos, sin, D // 2), out=f"new_k_{i}")
+        b.op("Identity", heads["v"], out=f"new_v_{i}")
+        k_all = b.op("Where", is_new, b.op("Gather", f"new_k_{i}", gather_idx, axis=1), f"past_k_{i}")
+        v_all = b.op("Where", is_new, b.op("Gather", f"new_v_{i}", gather_idx, axis=1), f"past_v_{i}")
+        q = b.op("Reshape", q, i64(Hkv, -1, D))  # [Hkv, G*T, D]: q heads grouped by kv head
+        scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 2, 1])), scale)
+        probs = b.op("Softmax", b.op("Where", visible, scores, minus_inf), axis=-1)
+        att = b.op("Reshape", b.op("MatMul", probs, v_all), i64(H, -1, D))
+        att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
+        x = b.op("Add", x, _linear(b, att, weights[p + "self_attn.o_proj.weight"]))
+        h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate = _linear(b, h, weights[p + "mlp.gate_proj.weight"])
+        gate = b.op("Mul", gate, b.op("Sigmoid", gate))
+        up = _linear(b, h, weights[p + "mlp.up_proj.weight"])
+        x = b.op("Add", x, _linear(b, b.op("Mul", gate, up), weights[p + "mlp.down_proj.weight"]))
+
+    start = b.op("Sub", T, b.op("Reshape", "num_logits", i64(1)))
+    x = b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), i64(1)), i64(0))
+    x = _rms_norm(b, x, weights["model.norm.weight"], cfg.rms_norm_eps)
+    head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    _linear_out = b.op("MatMul", x, b.const(np.ascontiguousarray(head.T), "lm_head"), out="logits")
+    del _linear_out
+    return _make_model(b, cfg)
+
+
+def _make_model(b: _Builder, cfg) -> onnx.ModelProto:
+    f = TensorProto.FLOAT
+    kv = lambda n, length: helper.make_tensor_value_info(n, f, [cfg.num_kv_heads, length, cfg.head_dim])  # noqa
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
+              helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
+              helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
+    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.vocab_size])]
+    for i in range(cfg.num_layers):
+        inputs += [kv(f"past_k_{i}", "R"), kv(f"past_v_{i}", "R")]
+        outputs += [kv(f"new_k_{i}", "T"), kv(f"new_v_{i}", "T")]
+    graph = helper.make_graph(b.nodes, "hetero_sd_llama", inputs, outputs, b.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                             producer_name="hetero-sd")

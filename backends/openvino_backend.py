@@ -1,0 +1,85 @@
+"""The OpenVINO backend: the same ONNX lowering as onnxruntime, read and
+compiled by OpenVINO for CPU / GPU / NPU. Targets run the batch-invariant
+hints by default (f32 inference precision, no dynamic activation
+quantisation): OpenVINO's CPU defaults (bf16, dynamic int8 activations) round
+a multi-token verify differently from one-token decode and break lossless
+output. Past KV is bound zero-copy from the backend's pool."""
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
+from hetero_sd.backends.graph_runner import GraphRunner
+from hetero_sd.backends.ort_backend import export_onnx
+from hetero_sd.ir.model import ModelIR
+
+# precision -> (compile properties, batch-invariant, note)
+_CPU_POLICY = {
+    "fp32": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
+             "f32 compute, no dynamic quantisation"),
+    "bf16": ({"INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
+             "bf16 compute, no dynamic quantisation"),
+    "default": ({}, False, "OpenVINO's own defaults (bf16/dynamic int8 on CPU); lossless up to numerics"),
+}
+
+
+def _precisions(device: str, caps: list[str]) -> tuple[PrecisionInfo, ...]:
+    if device == "CPU":
+        names = ["fp32"] + (["bf16"] if "BF16" in caps else []) + ["default"]
+        return tuple(PrecisionInfo(n if n != "default" else "ov-default", _CPU_POLICY[n][1], _CPU_POLICY[n][2])
+                     for n in names)
+    note = "device kernels chosen by shape; lossless up to numerics"
+    return (PrecisionInfo("fp16", False, note), PrecisionInfo("fp32", False, note))
+
+
+class OpenVINOBackend:
+    name = "openvino"
+    api_version = API_VERSION
+
+    def probe(self) -> list[DeviceInfo]:
+        try:
+            import openvino as ov
+        except Exception:
+            return []
+        core, devices = ov.Core(), []
+        for dev in core.available_devices:
+            try:
+                caps = list(core.get_property(dev, "OPTIMIZATION_CAPABILITIES"))
+                full = core.get_property(dev, "FULL_DEVICE_NAME")
+            except Exception:  # a device that cannot even report itself is skipped
+                continue
+            precs = _precisions(dev, caps)
+            devices.append(DeviceInfo(self.name, dev, f"OpenVINO {ov.__version__} {full}", precs, precs[0].name))
+        return devices
+
+    def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
+             progress=None) -> "OpenVINORunner":
+        info, prec = resolve(self.probe(), self.name, device, precision)
+        return OpenVINORunner(model, info, prec, kv_budget_bytes, progress)
+
+
+class OpenVINORunner(GraphRunner):
+    def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
+                 progress=None):
+        import openvino as ov
+
+        super().__init__(model, info, precision, kv_budget_bytes)
+        path = export_onnx(model, "fp32", progress)
+        core = ov.Core()
+        if info.device == "CPU":
+            props = dict(_CPU_POLICY["default" if precision.name == "ov-default" else precision.name][0])
+        else:
+            props = {"INFERENCE_PRECISION_HINT": "f16" if precision.name == "fp16" else "f32"}
+        self._compiled = core.compile_model(core.read_model(str(path)), info.device, props)
+        self._request = self._compiled.create_infer_request()
+        self._names = [o.get_any_name() for o in self._compiled.outputs]
+
+    def _infer(self, feeds: dict) -> list:
+        import openvino as ov
+
+        req = self._request
+        for name, array in feeds.items():
+            # shared_memory: the pool's slab is read in place (it outlives the call).
+            req.set_tensor(name, ov.Tensor(np.require(array, requirements="C"), shared_memory=True))
+        req.infer()
+        return [req.get_tensor(n).data.copy() for n in self._names]
