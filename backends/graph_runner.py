@@ -18,7 +18,8 @@ from hetero_sd.ir.model import ModelIR
 class GraphRunner:
     """Subclasses implement `_infer(feeds) -> list of outputs` in graph output order."""
 
-    def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int):
+    def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
+                 pad_single_row: bool = False):
         cfg = model.config
         self.device, self.precision = info, precision
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
@@ -34,6 +35,11 @@ class GraphRunner:
         self._pool = np.zeros(capacity * self._per_pos, dtype=np.float32)
         self._kv_shape = (2, cfg.num_layers, cfg.num_kv_heads, None, cfg.head_dim)
         self._slabs: dict[int, np.ndarray] = {}
+        # Quantised-weight kernels take a one-row path that rounds apart from
+        # their multi-row one (measured); a one-token call then runs as two
+        # rows (the token twice, the second a discarded position) so decode
+        # and verify share the multi-row kernel.
+        self._pad_single_row = pad_single_row
 
     def allocate(self, capacity: int) -> int:
         seq = self._alloc.allocate(capacity)
@@ -51,16 +57,18 @@ class GraphRunner:
         n = len(tokens)
         self._alloc.check_write(seq_id, start, n)
         slab = self._slabs[seq_id]
-        feeds = {"input_ids": np.asarray(tokens, dtype=np.int64),
+        pad = self._pad_single_row and n == 1 and start + 1 < self.max_context
+        ids = list(tokens) * 2 if pad else tokens
+        feeds = {"input_ids": np.asarray(ids, dtype=np.int64),
                  "past_len": np.asarray(start, dtype=np.int64),
-                 "num_logits": np.asarray(num_logits, dtype=np.int64)}
+                 "num_logits": np.asarray(num_logits + pad, dtype=np.int64)}
         for i in range(self._layers):
             feeds[f"past_k_{i}"], feeds[f"past_v_{i}"] = slab[0, i], slab[1, i]
         outputs = self._infer(feeds)
         for i in range(self._layers):
-            slab[0, i, :, start:start + n] = outputs[1 + 2 * i]
-            slab[1, i, :, start:start + n] = outputs[2 + 2 * i]
-        return outputs[0]
+            slab[0, i, :, start:start + n] = outputs[1 + 2 * i][:, :n]
+            slab[1, i, :, start:start + n] = outputs[2 + 2 * i][:, :n]
+        return outputs[0][:num_logits]
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()

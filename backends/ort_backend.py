@@ -17,12 +17,11 @@ _EXACT = "MLAS kernels are row-invariant (tested)"
 
 
 def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
-    # MatMulNBits takes a one-row gemv path that rounds apart from its multi-row
-    # kernel (measured): quantized targets are lossless only up to numerics.
-    inexact = "MatMulNBits one-row path rounds differently; lossless up to numerics"
+    # MatMulNBits' one-row path rounds apart from its multi-row kernel, so
+    # one-token calls run padded to two rows (graph_runner.py).
     return (PrecisionInfo("fp32", True, _EXACT),
-            PrecisionInfo("int8", False, "weight-only MatMulNBits 8-bit; " + inexact),
-            PrecisionInfo("int4", False, "weight-only MatMulNBits 4-bit, LM head 8-bit; " + inexact))
+            PrecisionInfo("int8", True, "weight-only MatMulNBits 8-bit, one-token calls padded"),
+            PrecisionInfo("int4", True, "weight-only MatMulNBits 4-bit (LM head 8-bit), one-token calls padded"))
 
 
 class OrtBackend:
@@ -91,7 +90,8 @@ class OrtRunner(GraphRunner):
                  progress=None):
         import onnxruntime as ort
 
-        super().__init__(model, info, precision, kv_budget_bytes)
+        super().__init__(model, info, precision, kv_budget_bytes,
+                         pad_single_row=precision.name in ("int8", "int4"))
         path = export_onnx(model, precision.name, progress)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = len(os.sched_getaffinity(0))

@@ -28,13 +28,18 @@ def _progress_bar(enabled: bool, label: str):
     return update, bar
 
 
+def check_placement(registry: Registry, place, role: str):
+    """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
+    try:
+        return resolve(registry.get(place.backend).probe(), place.backend, place.device, place.precision)
+    except BackendError as exc:
+        raise BackendError(f"{role}: {exc}") from None
+
+
 def load_runner(registry: Registry, place: ModelPlacement | object, model: ModelIR, kv_budget: int,
                 role: str, progress: bool) -> Runner:
     backend = registry.get(place.backend)
-    try:
-        info, precision = resolve(backend.probe(), place.backend, place.device, place.precision)
-    except BackendError as exc:
-        raise BackendError(f"{role}: {exc}") from None
+    info, precision = check_placement(registry, place, role)
     update, bar = _progress_bar(progress, f"loading {role} on {place.backend}:{info.device} {precision.name}")
     try:
         return backend.load(model, info.device, precision.name, kv_budget, progress=update)
@@ -53,6 +58,10 @@ def _check_same_tokenizer(target_tok, draft_ir: ModelIR) -> None:
 def build_engine(cfg: Config, progress: bool = False) -> Engine:
     base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
     registry = discover()
+    # Every placement is checked before any model loads, so a typo fails in a second.
+    check_placement(registry, cfg.target, "target")
+    if cfg.drafter.kind == "model":
+        check_placement(registry, cfg.drafter, "draft model")
     target_ir = load_model_ir(resolve_model(cfg.target.model, base))
     target = load_runner(registry, cfg.target, target_ir, cfg.memory.kv_budget, "target", progress)
     drafter = None

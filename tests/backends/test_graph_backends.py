@@ -12,10 +12,13 @@ from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
 GRAPH_BACKENDS = [name for name in ("onnxruntime", "openvino") if name in REGISTRY.backends]
-# (backend, precision, max |logit - reference|): fp32 is exact up to float
-# reassociation; bf16 keeps 8 mantissa bits; int8/int4 are weight-only quantised.
-CASES = [("onnxruntime", "fp32", 1e-4), ("onnxruntime", "int8", 0.5), ("onnxruntime", "int4", 0.5),
-         ("openvino", "fp32", 1e-4), ("openvino", "bf16", 0.5)]
+# (backend, precision, tolerance): fp32 within 1e-4 absolute (float
+# reassociation only); lower precisions within a fraction of the logits' spread
+# (std ~3 on the tiny models): bf16 keeps 8 mantissa bits, int8/int4 are
+# weight-only quantisations of random weights, which int4 hurts most.
+CASES = [("onnxruntime", "fp32", 1e-4), ("onnxruntime", "int8", 0.2), ("onnxruntime", "int4", 1.5),
+         ("openvino", "fp32", 1e-4), ("openvino", "bf16", 0.2), ("openvino", "int8", 0.2),
+         ("openvino", "int4", 1.5)]
 
 
 def _load(backend, folder, precision="fp32", budget=1 << 20):
@@ -32,7 +35,8 @@ def test_parity_with_reference(tiny_model_dir, backend, precision, tol, variant)
     ref = reference_logits(load_model_ir(folder), prompt).numpy()
     runner = _load(backend, folder, precision)
     got = runner.forward(runner.allocate(40), prompt, 0, len(prompt))
-    assert np.abs(got - ref).max() <= tol
+    bound = tol if precision == "fp32" else tol * ref.std()
+    assert np.abs(got - ref).max() <= bound
     # prefill computes the LM head for the requested rows only
     last = runner.forward(runner.allocate(40), prompt, 0, 1)
     assert last.shape == (1, ref.shape[1])

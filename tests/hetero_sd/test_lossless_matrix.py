@@ -60,9 +60,22 @@ def test_draft_model_any_pair(tiny_model_dir, draft_backend, target_backend):
         assert (accepted / drafted > 0.9) if draft_seed == 0 else (accepted < drafted)
 
 
+@pytest.mark.parametrize("backend,precision", [("onnxruntime", "int8"), ("onnxruntime", "int4"),
+                                               ("openvino", "int8"), ("openvino", "int4")])
+def test_quantized_targets_lossless(tiny_model_dir, backend, precision):
+    target = _runner(backend, tiny_model_dir("llama"), precision)
+    drafts = {"ngram": NgramDrafter(1, 3), "model": ModelDrafter(_runner("torch", tiny_model_dir("llama")),
+                                                                 target.vocab_size)}
+    for name, drafter in drafts.items():
+        for k in (1, 4, 8):
+            for seed in range(2):
+                head = random_prompt(8 + 5 * seed, seed=seed + k)
+                _check(Engine(target, drafter, k=k), head * 2, 20, f"{name} -> {backend} {precision} k={k}")
+
+
 def test_inexact_target_is_reported(tiny_model_dir):
     """A target precision that is not batch-invariant says so on every result."""
-    target = _runner("onnxruntime", tiny_model_dir("llama"), "int4")
+    target = _runner("openvino", tiny_model_dir("llama"), "ov-default")
     result = Engine(target, NgramDrafter(1, 3), k=3).generate_ids(random_prompt(10, seed=1) * 2, 8)
     assert result.stats.lossless == "up to numerics"
     assert "lossless up to numerics" in result.stats.summary()
