@@ -22,7 +22,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 1  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 2  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -41,7 +41,7 @@ class _Builder:
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
         out = out or self.name(op_type.lower())
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
 

@@ -73,13 +73,14 @@ def _quantize(proto, bits: int):
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # one line per node otherwise
 
-    nodes = [n.name for n in proto.graph.node if n.op_type == "MatMul" and "logits" in n.output] if bits < 8 else []
+    # The LM head (the node writing "logits") stays 8-bit: at 4 bits it breaks the output.
+    nodes = [n.name for n in proto.graph.node if "logits" in n.output] if bits < 8 else []
     quant = MatMulNBitsQuantizer(proto, block_size=32, is_symmetric=True, bits=bits,
-                                 nodes_to_exclude=nodes, accuracy_level=0)
+                                 nodes_to_exclude=nodes, accuracy_level=4)
     quant.process()
     out = quant.model.model
     if nodes:  # the tied/untied LM head: 8-bit rather than fp32
-        out = MatMulNBitsQuantizer(out, block_size=32, is_symmetric=True, bits=8, accuracy_level=0)
+        out = MatMulNBitsQuantizer(out, block_size=32, is_symmetric=True, bits=8, accuracy_level=4)
         out.process()
         out = out.model.model
     return out

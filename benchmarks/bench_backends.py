@@ -27,7 +27,10 @@ excludes it (ours: (n-1) / (total - prefill); GenAI: 1000 / TPOT from its
 perf metrics). "outside" is the share of wall time spent outside the
 runtime's own infer calls (ours: InferRequest.infer / InferenceSession.run /
 the torch model forward, timed by wrapping them; GenAI: generate duration
-minus its inference duration). Not a test: speed is measured, never asserted.
+minus its inference duration). Token ids are compared with both GenAI runs
+and with torch fp32 (the IR's own forward) on each prompt. `--configs` also
+offers ov-int8 / ov-int4 (NNCF-compressed weights), not run by default.
+Not a test: speed is measured, never asserted.
 """
 from __future__ import annotations
 
@@ -66,7 +69,12 @@ CONFIGS = {
     "ort-int4": ("onnxruntime int4", "ours", ("onnxruntime", "cpu", "int4")),
     "ov-fp32": ("openvino fp32", "ours", ("openvino", "CPU", "fp32")),
     "ov-bf16": ("openvino bf16", "ours", ("openvino", "CPU", "bf16")),
+    # Opt-in (--configs): NNCF-compressed weights, closer to GenAI's compressed GGUF weights.
+    "ov-int8": ("openvino int8", "ours", ("openvino", "CPU", "int8")),
+    "ov-int4": ("openvino int4", "ours", ("openvino", "CPU", "int4")),
 }
+DEFAULT_CONFIGS = ["genai-exact", "genai-default", "torch-fp32", "ort-fp32", "ort-int4", "ov-fp32", "ov-bf16"]
+OUR_REFERENCE = "torch-fp32"  # the IR's own forward, tested against transformers
 
 
 # --------------------------------------------------------------- timing hooks
@@ -106,7 +114,7 @@ def instrument(runner, timer: InferTimer) -> str:
     """Time the runtime's own call inside a runner; return what is timed ('' if unknown)."""
     if hasattr(runner, "_request") and hasattr(runner._request, "infer"):  # OpenVINORunner
         runner._request = _Proxy(runner._request, timer, "infer", ("set_tensor", "get_tensor"))
-        return "InferRequest.infer"
+        return "InferRequest.infer (OpenVINO's Python wrapper, incl. its output dict)"
     if hasattr(runner, "_session") and hasattr(runner._session, "run"):  # OrtRunner
         runner._session = _Proxy(runner._session, timer, "run")
         return "InferenceSession.run"
@@ -145,7 +153,8 @@ def run_ours(spec, ir, tok, eos, prompts, ids_of, args) -> tuple[list[dict], dic
         rows.append({"prompt_tokens": len(ids), "tokens": s.new_tokens, "token_ids": list(res.token_ids),
                      "total_s": s.total_s, "prefill_s": s.prefill_s,
                      "tok_s": s.tokens_per_s, "decode_tok_s": s.decode_tokens_per_s,
-                     "infer_s": timer.seconds if timed else None, "infer_calls": timer.calls if timed else None,
+                     # None when the hook never fired (the runner calls its runtime some other way)
+                     "infer_s": timer.seconds if timer.calls else None, "infer_calls": timer.calls or None,
                      "finish": s.finish_reason})
     info = {"load_s": load_s, "timed": timed, "device": runner.device.description,
             "precision_note": runner.precision.note, "batch_invariant": runner.precision.batch_invariant}
@@ -222,7 +231,7 @@ def run_genai(props, gguf: Path, eos, prompts, ids_of, args, tok) -> tuple[list[
                      # GenAI reports inference as one sum; outside = generate duration - that
                      "infer_s": infer_ms / 1e3, "outside_base_s": gen_ms / 1e3,
                      "infer_calls": m.get_num_generated_tokens(), "finish": finish})
-    info = {"load_s": load_s, "timed": "GenAI perf metrics (generate - inference duration)",
+    info = {"load_s": load_s, "timed": "generate minus inference duration (GenAI perf metrics)",
             "device": f"openvino_genai {ov_genai.__version__}", "props": props,
             "chat_template_ids_match": template_same}
     del pipe
@@ -240,8 +249,9 @@ def main() -> int:
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated subset, in run order (default: all: {','.join(CONFIGS)})")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma-separated, in run order (default: {','.join(DEFAULT_CONFIGS)}; "
+                         f"also available: {','.join(k for k in CONFIGS if k not in DEFAULT_CONFIGS)})")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per configuration")
     ap.add_argument("--json", help="also write per-prompt results here")
     args = ap.parse_args()
@@ -320,16 +330,19 @@ def _fmt_ratio(a: float | None, b: float | None) -> str:
 
 
 def report(results: dict, infos: dict, skipped: dict, prompts: list[dict], max_new_tokens: int) -> None:
-    refs = {ref: {r["id"]: r for r in results.get(ref, [])} for ref in ("genai-exact", "genai-default")}
+    refs = {ref: {r["id"]: r for r in results.get(ref, [])} for ref in ("genai-exact", "genai-default", OUR_REFERENCE)}
     by = defaultdict(list)
     for key, rows in results.items():
         for r in rows:
             by[(r["kind"], key)].append(r)
     print(f"\nTarget-only greedy, at most {max_new_tokens} new tokens. Ratios: geo-mean over prompts of "
-          f"this config's figure / the reference's on the same prompt, as tok/s (incl. prefill) / decode tok/s.\n")
+          f"this config's figure / the reference's on the same prompt, as tok/s (incl. prefill) / decode tok/s. "
+          f"ids = ref: prompts with token ids equal to the reference's (mean tokens before the first "
+          f"difference). outside infer: share of wall time outside the runtime's infer calls, per call.\n")
     print("| kind | config | prompt tok | new tok | tok/s | decode tok/s | prefill ms | vs GenAI exact | "
-          "vs GenAI default | outside infer | ids = exact | ids = default |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs GenAI default | outside infer | ids = GenAI exact | ids = GenAI default | "
+          f"ids = {CONFIGS[OUR_REFERENCE][0]} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in sorted({p["kind"] for p in prompts}):
         for key in results:
             rs = by[(kind, key)]
@@ -345,25 +358,34 @@ def report(results: dict, infos: dict, skipped: dict, prompts: list[dict], max_n
                                               if base[r["id"]]["tok_s"]]),
                                         _geo([r["decode_tok_s"] / base[r["id"]]["decode_tok_s"] for r in rs
                                               if base[r["id"]]["decode_tok_s"]])))
-            same = []
-            for ref in ("genai-exact", "genai-default"):
-                base = refs[ref]
-                same.append(f"{sum(r['token_ids'] == base[r['id']]['token_ids'] for r in rs)}/{len(rs)}"
-                            if base else "n/a")
+            same = [_same(rs, refs[ref]) for ref in ("genai-exact", "genai-default", OUR_REFERENCE)]
             print(f"| {kind} | {CONFIGS[key][0]} | {statistics.mean(r['prompt_tokens'] for r in rs):.0f} | "
                   f"{statistics.mean(r['tokens'] for r in rs):.0f} | "
                   f"{statistics.mean(r['tok_s'] for r in rs):.1f} | "
                   f"{statistics.mean(r['decode_tok_s'] for r in rs):.1f} | "
                   f"{1e3 * statistics.mean(r['prefill_s'] for r in rs):.0f} | {cells[0]} | {cells[1]} | "
-                  f"{_outside(rs)} | {same[0]} | {same[1]} |")
+                  f"{_outside(rs)} | {same[0]} | {same[1]} | {same[2]} |")
     print()
     for key, info in infos.items():
         extra = f"; GenAI's own chat template gives our ids on {info['chat_template_ids_match']} prompts" \
             if "chat_template_ids_match" in info else f"; {info.get('precision_note', '')}"
-        print(f"- {CONFIGS[key][0]}: load {info['load_s']:.1f}s; {info['device']}; "
-              f"outside = wall minus {info['timed'] or 'n/a'}{extra}")
+        outside = info["timed"] if key.startswith("genai") else f"wall minus {info['timed'] or 'n/a'}"
+        print(f"- {CONFIGS[key][0]}: load {info['load_s']:.1f}s; {info['device']}; outside = {outside}{extra}")
     for key, why in skipped.items():
         print(f"- skipped {CONFIGS[key][0]}: {why}")
+
+
+def _same(rs: list[dict], base: dict) -> str:
+    """Prompts whose ids equal the reference's, and the mean length of the shared prefix."""
+    if not base:
+        return "n/a"
+    equal = sum(r["token_ids"] == base[r["id"]]["token_ids"] for r in rs)
+    shared = []
+    for r in rs:
+        a, b = r["token_ids"], base[r["id"]]["token_ids"]
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shared.append(n)
+    return f"{equal}/{len(rs)}" + ("" if equal == len(rs) else f" ({statistics.mean(shared):.0f} shared)")
 
 
 def _outside(rs: list[dict]) -> str:

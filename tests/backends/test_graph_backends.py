@@ -123,3 +123,18 @@ def test_smollm2_parity_graph_backends(smollm2_gguf):
         got = runner.forward(runner.allocate(16), ids, 0, len(ids))
         assert np.abs(got - ref).max() < 1e-3, backend  # 30 layers of fp32 reassociation
         assert tok.decode(int(got[-1].argmax())).strip() == "Paris"
+
+
+@pytest.mark.parametrize("backend,precision", [("onnxruntime", "int4"), ("openvino", "int4"),
+                                               ("openvino", "fp32")])
+def test_smollm2_batch_invariance(smollm2_gguf, backend, precision):
+    """On the real model's shapes too (kernel paths depend on them), verify rows equal one-token steps."""
+    model = load_model_ir(smollm2_gguf)
+    runner = REGISTRY.get(backend).load(model, "cpu", precision, 16 << 20)
+    ids = model.load_tokenizer()("Copy exactly: the motor stops after sixty seconds to avoid overheating")["input_ids"]
+    seq = runner.allocate(64)
+    runner.forward(seq, ids[:6], 0, 1)
+    single = np.stack([runner.forward(seq, [t], 6 + i, 1)[0] for i, t in enumerate(ids[6:14])])
+    for width in (2, 5, 8):
+        runner.truncate(seq, 6)
+        assert np.array_equal(runner.forward(seq, ids[6:6 + width], 6, width), single[:width]), width
