@@ -68,7 +68,7 @@ class GraphRunner:
         for i in range(self._layers):
             slab[0, i, :, start:start + n] = outputs[1 + 2 * i][:, :n]
             slab[1, i, :, start:start + n] = outputs[2 + 2 * i][:, :n]
-        return outputs[0][:num_logits]
+        return np.array(outputs[0][:num_logits])  # a copy: runtimes may reuse output buffers
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()

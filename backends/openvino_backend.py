@@ -106,14 +106,21 @@ class OpenVINORunner(GraphRunner):
             props = {"INFERENCE_PRECISION_HINT": "f16" if precision.name == "fp16" else "f32"}
         self._compiled = core.compile_model(core.read_model(str(path)), info.device, props)
         self._request = self._compiled.create_infer_request()
-        self._names = [o.get_any_name() for o in self._compiled.outputs]
+        self._outputs = list(self._compiled.outputs)
+        self._bound: dict[str, tuple] = {}  # input name -> (address, shape) of the array bound to it
 
     def _infer(self, feeds: dict) -> list:
         import openvino as ov
 
         req = self._request
         for name, array in feeds.items():
-            # shared_memory: the pool's slab is read in place (it outlives the call).
-            req.set_tensor(name, ov.Tensor(np.require(array, requirements="C"), shared_memory=True))
-        req.infer()
-        return [req.get_tensor(n).data.copy() for n in self._names]
+            # Slabs are bound once per sequence (zero-copy, they outlive every
+            # call); only the small per-step inputs are rebound each step.
+            key = (array.__array_interface__["data"][0], array.shape)
+            if self._bound.get(name) != key or array.ndim < 2:
+                req.set_tensor(name, ov.Tensor(np.require(array, requirements="C"), shared_memory=True))
+                self._bound[name] = key
+        req.start_async()  # start+wait skips the Python wrapper's dict of all outputs
+        req.wait()
+        # Views: the runner copies K/V into its slab and slices the logits at once.
+        return [req.get_tensor(out).data for out in self._outputs]

@@ -292,6 +292,11 @@ def main() -> int:
             skipped[key] = str(exc)
             print(f"   skipped: {exc}", file=sys.stderr, flush=True)
             continue
+        except Exception as exc:  # one broken configuration must not lose the others' figures
+            skipped[key] = f"failed: {type(exc).__name__}: {exc}"
+            print(f"   failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            gc.collect()
+            continue
         for p, r in zip(prompts, rows):
             r.update({"id": p["id"], "kind": p["kind"], "config": key})
             print(f"   {p['id']:<18} {r['tokens']:>4} tok  {r['tok_s']:7.1f} tok/s  decode {r['decode_tok_s']:7.1f}"
@@ -324,9 +329,7 @@ def _geo(values: list[float]) -> float | None:
 
 
 def _fmt_ratio(a: float | None, b: float | None) -> str:
-    if a is None and b is None:
-        return "n/a"
-    return f"{a:.2f}x / {b:.2f}x" if a is not None and b is not None else "n/a"
+    return " / ".join("n/a" if v is None else f"{v:.2f}x" for v in (a, b))
 
 
 def report(results: dict, infos: dict, skipped: dict, prompts: list[dict], max_new_tokens: int) -> None:

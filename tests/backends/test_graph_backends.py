@@ -131,7 +131,9 @@ def test_smollm2_batch_invariance(smollm2_gguf, backend, precision):
     """On the real model's shapes too (kernel paths depend on them), verify rows equal one-token steps."""
     model = load_model_ir(smollm2_gguf)
     runner = REGISTRY.get(backend).load(model, "cpu", precision, 16 << 20)
-    ids = model.load_tokenizer()("Copy exactly: the motor stops after sixty seconds to avoid overheating")["input_ids"]
+    text = "Copy exactly: the motor stops after sixty seconds to avoid overheating, then cools for ten minutes."
+    ids = model.load_tokenizer()(text)["input_ids"]
+    assert len(ids) >= 14
     seq = runner.allocate(64)
     runner.forward(seq, ids[:6], 0, 1)
     single = np.stack([runner.forward(seq, [t], 6 + i, 1)[0] for i, t in enumerate(ids[6:14])])
