@@ -9,13 +9,13 @@ from typing import Sequence
 
 import numpy as np
 
-from hetero_sd.backends.base import DeviceInfo, PoolUsage, PrecisionInfo
-from hetero_sd.backends.pool import ExtentAllocator
+from hetero_sd.backends.base import DeviceInfo, PrecisionInfo
+from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
 
 
-class GraphRunner:
+class GraphRunner(PooledRunner):
     """Subclasses implement `_infer(feeds) -> list of outputs` in graph output order."""
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
@@ -73,18 +73,9 @@ class GraphRunner:
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()
 
-    def truncate(self, seq_id: int, length: int) -> None:
-        self._alloc.truncate(seq_id, length)
-
-    def length(self, seq_id: int) -> int:
-        return self._alloc.extent(seq_id).length
-
     def release(self, seq_id: int) -> None:
-        self._alloc.release(seq_id)
+        super().release(seq_id)
         self._slabs.pop(seq_id, None)
-
-    def usage(self) -> PoolUsage:
-        return self._alloc.usage()
 
     def kv_buffers(self) -> tuple[np.ndarray]:
         """The pool's memory (for tests that prove rollback moves no data)."""

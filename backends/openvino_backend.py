@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
-from hetero_sd.backends.graph_cache import cache_dir, cached
+from hetero_sd.backends.graph_cache import cache_dir, cache_root, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.onnx_llama import GRAPH_VERSION
 from hetero_sd.backends.ort_backend import export_onnx
@@ -100,6 +100,8 @@ class OpenVINORunner(GraphRunner):
         super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _NNCF_MODES)
         path = _ov_model_path(model, precision.name, progress)
         core = ov.Core()
+        # OpenVINO keeps compiled blobs here and reuses them on the next load.
+        core.set_property({"CACHE_DIR": str(cache_root() / "openvino-blobs")})
         if info.device == "CPU":
             props = dict(_CPU_POLICY["default" if precision.name == "ov-default" else precision.name][0])
         else:

@@ -20,6 +20,25 @@ class Extent:
     length: int = 0
 
 
+class PooledRunner:
+    """The runner methods that only consult the pool's bookkeeping (`self._alloc`),
+    shared by every backend's runner."""
+
+    _alloc: "ExtentAllocator"
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self._alloc.truncate(seq_id, length)
+
+    def length(self, seq_id: int) -> int:
+        return self._alloc.extent(seq_id).length
+
+    def release(self, seq_id: int) -> None:
+        self._alloc.release(seq_id)
+
+    def usage(self) -> PoolUsage:
+        return self._alloc.usage()
+
+
 class ExtentAllocator:
     def __init__(self, capacity: int, bytes_per_token: int, owner: str):
         self.capacity = capacity

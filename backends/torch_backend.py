@@ -11,8 +11,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, resolve
-from hetero_sd.backends.pool import ExtentAllocator
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
+from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
 from hetero_sd.backends.torch_numerics import RowStableLinear
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
@@ -73,7 +73,7 @@ class TorchBackend:
         return TorchRunner(model, info, prec, kv_budget_bytes, progress)
 
 
-class TorchRunner:
+class TorchRunner(PooledRunner):
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo,
                  kv_budget_bytes: int, progress=None):
         cfg = model.config
@@ -122,18 +122,6 @@ class TorchRunner:
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self._run(seq_id, tokens, start, num_logits).argmax(-1).tolist()
-
-    def truncate(self, seq_id: int, length: int) -> None:
-        self._alloc.truncate(seq_id, length)
-
-    def length(self, seq_id: int) -> int:
-        return self._alloc.extent(seq_id).length
-
-    def release(self, seq_id: int) -> None:
-        self._alloc.release(seq_id)
-
-    def usage(self) -> PoolUsage:
-        return self._alloc.usage()
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K and V buffers (for tests and tools that inspect the pool)."""
