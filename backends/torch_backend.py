@@ -92,9 +92,10 @@ class TorchRunner(PooledRunner):
         self._alloc = ExtentAllocator(capacity, bytes_per_token,
                                       f"torch:{info.device} {precision.name} pool")
         shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
-        # empty, not zeros: pages are touched on first write, not at load.
-        self._k = torch.empty(shape, dtype=dtype, device=self._torch_device)
-        self._v = torch.empty(shape, dtype=dtype, device=self._torch_device)
+        # zeros, not empty: stale slots must never hold NaN garbage (a masked
+        # read of NaN still poisons a sum); allocated once, at load.
+        self._k = torch.zeros(shape, dtype=dtype, device=self._torch_device)
+        self._v = torch.zeros(shape, dtype=dtype, device=self._torch_device)
         exact = None
         if precision.batch_invariant:
             exact = RowStableLinear()
