@@ -22,7 +22,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 2  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 3  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -46,9 +46,11 @@ class _Builder:
 
 
 def _rms_norm(b: _Builder, x: str, weight: np.ndarray, eps: float) -> str:
-    mean = b.op("ReduceMean", b.op("Mul", x, x), b.const([-1], dtype=np.int64), keepdims=1)
-    inv = b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean, b.const(np.float32(eps)))))
-    return b.op("Mul", b.const(weight.astype(np.float32), "norm"), b.op("Mul", x, inv))
+    # The canonical Pow/ReduceMean/Add/Sqrt/Div/Mul chain: onnxruntime fuses
+    # it into SimplifiedLayerNormalization and OpenVINO into its RMS kernel.
+    mean = b.op("ReduceMean", b.op("Pow", x, b.const(np.float32(2.0))), b.const([-1], dtype=np.int64), keepdims=1)
+    norm = b.op("Div", x, b.op("Sqrt", b.op("Add", mean, b.const(np.float32(eps)))))
+    return b.op("Mul", norm, b.const(weight.astype(np.float32), "norm"))
 
 
 def _linear(b: _Builder, x: str, weight: np.ndarray, bias: np.ndarray | None = None) -> str:

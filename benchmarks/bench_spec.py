@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5, help="draft length for the n-gram drafter")
     ap.add_argument("--draft-k", type=int, default=4, help="draft length for the draft model")
+    ap.add_argument("--backend", default="torch", help="target backend (torch | onnxruntime | openvino)")
+    ap.add_argument("--device", default="cpu", help="target device")
     ap.add_argument("--precision", default="fp32", help="target precision")
     ap.add_argument("--draft-precision", default="bf16", help="draft model precision (same weights)")
     ap.add_argument("--no-draft-model", action="store_true", help="skip the draft-model drafter")
@@ -40,13 +42,14 @@ def main() -> int:
 
     prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     registry, ir = discover(), load_model_ir(default_model_path())
-    target = load_runner(registry, ModelPlacement(precision=args.precision), ir, 256 << 20, "target", True)
+    place = ModelPlacement(backend=args.backend, device=args.device, precision=args.precision)
+    target = load_runner(registry, place, ir, 256 << 20, "target", True)
     tok = ir.load_tokenizer()
     eos = tuple(set(ir.config.eos_token_ids) | {tok.eos_token_id})
     configs = {"target-only": None, f"ngram k={args.k}": (NgramDrafter(), args.k)}
     if not args.no_draft_model:
         draft = load_runner(registry, ModelPlacement(precision=args.draft_precision), ir, 256 << 20,
-                            "draft", True)
+                            "draft", True)  # the draft model runs on torch
         configs[f"draft-model({args.draft_precision}) k={args.draft_k}"] = (
             ModelDrafter(draft, target.vocab_size), args.draft_k)
 
