@@ -55,8 +55,11 @@ class GraphRunner(PooledRunner):
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         n = len(tokens)
-        self._alloc.check_write(seq_id, start, n)
-        slab = self._slabs[seq_id]
+        with self._alloc.writing(seq_id, start, n):
+            return self._run(self._slabs[seq_id], tokens, start, num_logits)
+
+    def _run(self, slab: np.ndarray, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+        n = len(tokens)
         pad = self._pad_single_row and n == 1 and start + 1 < self.max_context
         ids = list(tokens) * 2 if pad else tokens
         feeds = {"input_ids": np.asarray(ids, dtype=np.int64),

@@ -7,7 +7,9 @@ truncating changes the length only, so rollback never moves KV data.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from hetero_sd.backends.base import PoolUsage
 from hetero_sd.ir.errors import KVBudgetError
@@ -73,8 +75,11 @@ class ExtentAllocator:
         except KeyError:
             raise KVBudgetError(f"{self.owner}: no live sequence {seq_id}") from None
 
-    def check_write(self, seq_id: int, start: int, count: int) -> Extent:
-        """Validate writing positions [start, start+count) and record the new length."""
+    @contextmanager
+    def writing(self, seq_id: int, start: int, count: int) -> Iterator[Extent]:
+        """Validate writing positions [start, start+count); the new length is
+        recorded only if the body (the runtime call) succeeds, so a failed
+        call never leaves the sequence claiming positions it did not fill."""
         ext = self.extent(seq_id)
         if start > ext.length:
             raise ValueError(f"sequence {seq_id}: write at {start} leaves a gap after length {ext.length}")
@@ -82,8 +87,8 @@ class ExtentAllocator:
             raise KVBudgetError(
                 f"{self.owner}: sequence {seq_id} reserved {ext.reserved} positions, "
                 f"a write would reach {start + count}")
+        yield ext
         ext.length = start + count
-        return ext
 
     def truncate(self, seq_id: int, length: int) -> None:
         ext = self.extent(seq_id)

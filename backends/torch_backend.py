@@ -109,14 +109,14 @@ class TorchRunner(PooledRunner):
 
     @torch.inference_mode()
     def _run(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> torch.Tensor:
-        ext = self._alloc.check_write(seq_id, start, len(tokens))
-        region = slice(ext.offset, ext.offset + ext.reserved)
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self._torch_device)
-        # Rows whose logits are returned run batch-invariant kernels, so a
-        # k-token verify equals k one-token steps. A prefill (fewer logits than
-        # rows) is the same call in every mode and may take the fast kernels.
-        exact = self.precision.batch_invariant and num_logits == len(tokens)
-        return self._forward(ids, start, self._k[:, :, region], self._v[:, :, region], num_logits, exact)
+        with self._alloc.writing(seq_id, start, len(tokens)) as ext:
+            region = slice(ext.offset, ext.offset + ext.reserved)
+            ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self._torch_device)
+            # Rows whose logits are returned run batch-invariant kernels, so a
+            # k-token verify equals k one-token steps. A prefill (fewer logits
+            # than rows) is the same call in every mode and may take fast kernels.
+            exact = self.precision.batch_invariant and num_logits == len(tokens)
+            return self._forward(ids, start, self._k[:, :, region], self._v[:, :, region], num_logits, exact)
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         return self._run(seq_id, tokens, start, num_logits).cpu().numpy()

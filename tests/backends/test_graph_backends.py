@@ -140,3 +140,18 @@ def test_smollm2_batch_invariance(smollm2_gguf, backend, precision):
     for width in (2, 5, 8):
         runner.truncate(seq, 6)
         assert np.array_equal(runner.forward(seq, ids[6:6 + width], 6, width), single[:width]), width
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_failed_runtime_call_leaves_sequence_length(tiny_model_dir, backend, monkeypatch):
+    runner = _load(backend, tiny_model_dir("llama"))
+    seq = runner.allocate(32)
+    runner.forward(seq, random_prompt(5, seed=1), 0, 1)
+
+    def boom(feeds):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(runner, "_infer", boom)
+    with pytest.raises(RuntimeError, match="fell over"):
+        runner.forward(seq, [1, 2, 3], 5, 3)
+    assert runner.length(seq) == 5  # nothing claimed that was not written

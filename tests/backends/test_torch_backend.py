@@ -113,3 +113,13 @@ def test_unknown_device_and_precision(tiny_model_dir):
         BACKEND.load(model, "tpu", "fp32", 1 << 20)
     with pytest.raises(BackendError, match="precision 'int3'.*supported: fp32"):
         BACKEND.load(model, "cpu", "int3", 1 << 20)
+
+
+def test_failed_forward_leaves_sequence_length(tiny_model_dir, monkeypatch):
+    runner = _runner(tiny_model_dir("llama"))
+    seq = runner.allocate(32)
+    runner.forward(seq, random_prompt(5, seed=1), 0, 1)
+    monkeypatch.setattr(runner, "_forward", lambda *a: (_ for _ in ()).throw(RuntimeError("oom")))
+    with pytest.raises(RuntimeError, match="oom"):
+        runner.forward(seq, [1, 2, 3], 5, 3)
+    assert runner.length(seq) == 5
