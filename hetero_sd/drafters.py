@@ -24,6 +24,9 @@ from hetero_sd.ir.work import DraftRequest, DraftResult
 class Drafter(Protocol):
     name: str
 
+    def begin(self, capacity: int) -> None:
+        """Start a sequence of at most `capacity` positions (reserve what it needs)."""
+
     def draft(self, req: DraftRequest) -> DraftResult: ...
 
     def reset(self) -> None:
@@ -52,6 +55,9 @@ class NgramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.reset()
+
+    def begin(self, capacity: int) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -106,8 +112,7 @@ class ModelDrafter:
             self.runner.release(self._seq)
         self._seq, self.context, self._cached = None, [], []
 
-    def ensure_capacity(self, capacity: int) -> None:
-        """Reserve the draft sequence before the first round (the engine knows the length)."""
+    def begin(self, capacity: int) -> None:
         self.reset()
         self._seq = self.runner.allocate(capacity)
 
@@ -125,7 +130,7 @@ class ModelDrafter:
     def draft(self, req: DraftRequest) -> DraftResult:
         _apply(self.context, req)
         if self._seq is None:
-            raise RuntimeError("ModelDrafter.ensure_capacity must be called before draft")
+            raise RuntimeError("ModelDrafter.begin must be called before draft")
         feed, out = self._sync(), []
         for _ in range(req.k):
             start = len(self._cached)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafters import Drafter, ModelDrafter
+from hetero_sd.drafters import Drafter
 from hetero_sd.errors import GenerationError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, VerifyRequest, VerifyResult
 from hetero_sd.scheduler import FixedDraftLength
@@ -98,8 +98,8 @@ class Engine:
         t_start = time.perf_counter()
         seq = target.allocate(capacity)
         try:
-            if isinstance(drafter, ModelDrafter):
-                drafter.ensure_capacity(capacity)
+            if drafter is not None:
+                drafter.begin(capacity)
             cur = target.greedy(seq, prompt_ids, 0, 1)[0]
             stats.prefill_s = time.perf_counter() - t_start
             self._loop(seq, drafter, list(prompt_ids), cur, capacity, stopper, stats)
