@@ -80,4 +80,4 @@ def build_engine(cfg: Config, progress: bool = False) -> Engine:
         eos.add(tokenizer.eos_token_id)
     return Engine(target, drafter, k=d.k, tokenizer=tokenizer, eos_ids=tuple(sorted(eos)),
                   max_new_tokens=cfg.generation.max_new_tokens, stop=tuple(cfg.generation.stop),
-                  chat_template=cfg.generation.chat_template)
+                  chat_template=cfg.generation.chat_template, sampling=cfg.generation.sampling())

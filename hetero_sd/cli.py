@@ -12,7 +12,13 @@ def _generate(args) -> int:
     from hetero_sd.builder import build_engine
     from hetero_sd.config import load_config
 
-    overrides = {"generation.max_new_tokens": args.max_new_tokens}
+    from hetero_sd.sampling import SamplingParams
+
+    # Check the flags first, so an error names the flag rather than the config file.
+    SamplingParams(*(v if v is not None else d for v, d in zip(
+        (args.temperature, args.top_k, args.top_p, args.seed), (0.0, 0, 1.0, None))))
+    overrides = {"generation.max_new_tokens": args.max_new_tokens, "generation.temperature": args.temperature,
+                 "generation.top_k": args.top_k, "generation.top_p": args.top_p, "generation.seed": args.seed}
     if args.no_chat_template:
         overrides["generation.chat_template"] = False
     cfg = load_config(args.config, overrides)
@@ -69,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="the prompt (default: read stdin)")
     gen.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
     gen.add_argument("--target-only", action="store_true", help="no speculation (baseline)")
+    gen.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy, the default)")
+    gen.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (1 = off)")
+    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--progress", action="store_true", help="show load progress even when not a TTY")

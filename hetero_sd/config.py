@@ -47,6 +47,16 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(128, ge=1)
     stop: list[str] = Field(default_factory=list)
     chat_template: bool = True
+    # Sampling (temperature 0 = greedy). Same rules as hetero_sd.sampling.SamplingParams.
+    temperature: float = Field(0.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+
+    def sampling(self):
+        from hetero_sd.sampling import SamplingParams
+
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
 
 
 class MemoryConfig(_Section):

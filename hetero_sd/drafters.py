@@ -16,16 +16,21 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from hetero_sd.backends.base import Runner
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.sampling import Sampler
 
 
 class Drafter(Protocol):
     name: str
 
-    def begin(self, capacity: int) -> None:
-        """Start a sequence of at most `capacity` positions (reserve what it needs)."""
+    def begin(self, capacity: int, sampler: Sampler | None = None) -> None:
+        """Start a sequence of at most `capacity` positions (reserve what it needs).
+        `sampler` is None for greedy requests; a drafter that samples draws from
+        its draft stream and returns the distributions in DraftResult.probs."""
 
     def draft(self, req: DraftRequest) -> DraftResult: ...
 
@@ -49,7 +54,7 @@ class NgramDrafter:
     lookup is O(max_ngram) whatever the context length.
     """
 
-    name = "ngram"
+    name = "ngram"  # deterministic proposals: under sampling its q is one-hot (probs=None)
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4):
         if not 1 <= min_ngram <= max_ngram:
@@ -57,7 +62,7 @@ class NgramDrafter:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.reset()
 
-    def begin(self, capacity: int) -> None:
+    def begin(self, capacity: int, sampler: Sampler | None = None) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -93,7 +98,8 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A smaller (or cheaper-precision) model on any backend, greedy drafts."""
+    """A smaller (or cheaper-precision) model on any backend: greedy drafts, or
+    sampled ones (with their distributions q) when the request samples."""
 
     name = "model"
 
@@ -106,15 +112,17 @@ class ModelDrafter:
         self._seq: int | None = None
         self.context: list[int] = []
         self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
+        self._sampler: Sampler | None = None
 
     def reset(self) -> None:
         if self._seq is not None:
             self.runner.release(self._seq)
-        self._seq, self.context, self._cached = None, [], []
+        self._seq, self.context, self._cached, self._sampler = None, [], [], None
 
-    def begin(self, capacity: int) -> None:
+    def begin(self, capacity: int, sampler: Sampler | None = None) -> None:
         self.reset()
         self._seq = self.runner.allocate(capacity)
+        self._sampler = sampler
 
     def _sync(self) -> list[int]:
         """Truncate the cache to the common prefix; return the tokens still to feed."""
@@ -131,11 +139,15 @@ class ModelDrafter:
         _apply(self.context, req)
         if self._seq is None:
             raise RuntimeError("ModelDrafter.begin must be called before draft")
-        feed, out = self._sync(), []
+        feed, out, probs = self._sync(), [], []
         for _ in range(req.k):
             start = len(self._cached)
-            token = self.runner.greedy(self._seq, feed, start, 1)[0]
+            if self._sampler is None:
+                token = self.runner.greedy(self._seq, feed, start, 1)[0]
+            else:
+                token, q = self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
+                probs.append(q)
             self._cached.extend(feed)
             out.append(token)
             feed = [token]
-        return DraftResult(req.seq_id, out)
+        return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)

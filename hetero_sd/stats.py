@@ -18,6 +18,7 @@ class GenerationStats:
     total_s: float = 0.0
     finish_reason: str = ""  # "eos" | "length" | "stop" | "context"
     lossless: str = "exact"  # "exact" or "up to numerics" (target not batch-invariant)
+    sampling: str = "greedy"  # or "T=.. top_k=.. top_p=.. seed=.." (exact = distribution-preserving)
 
     @property
     def other_s(self) -> float:
@@ -61,6 +62,8 @@ class GenerationStats:
                      f"{self.mean_accepted:.2f}/round over {self.rounds} rounds")
         line += (f" | prefill {self.prefill_s:.2f}s draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s "
                  f"other {self.other_s:.2f}s | finish: {self.finish_reason}")
+        if self.sampling != "greedy":
+            line += f" | sampling {self.sampling}"
         if self.lossless != "exact":
             line += f" | lossless {self.lossless}"
         return line

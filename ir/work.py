@@ -20,14 +20,20 @@ MAX_DRAFT_TOKENS = 16  # upper bound on k; keeps verify records a fixed maximum 
 class _Record:
     KIND = 0
 
+    @classmethod
+    def _wire_fields(cls):
+        """Fields that cross a process boundary in the record itself; large
+        tensors (metadata wire=False) travel through a shared arena instead."""
+        return [f for f in fields(cls) if f.metadata.get("wire", True)]
+
     def pack(self) -> bytes:
-        values = [getattr(self, f.name) for f in fields(self)]
+        values = [getattr(self, f.name) for f in self._wire_fields()]
         ints, tokens = values[:-1], values[-1]
         return struct.pack(f"<{2 + len(ints)}i{len(tokens)}i", self.KIND, len(tokens), *ints, *tokens)
 
     @classmethod
     def unpack(cls, buf: bytes):
-        n_ints = len(fields(cls)) - 1
+        n_ints = len(cls._wire_fields()) - 1
         kind, n_tok, *ints = struct.unpack_from(f"<{2 + n_ints}i", buf)
         if kind != cls.KIND:
             raise ValueError(f"record kind {kind} is not a {cls.__name__} ({cls.KIND})")
@@ -53,6 +59,9 @@ class DraftResult(_Record):
     KIND = 2
     seq_id: int
     tokens: list[int] = field(default_factory=list)  # [<=k] int32 proposed ids, may be empty
+    # [len(tokens), vocab] float64 draft distributions q, sampling with a draft model only;
+    # None for greedy or deterministic (n-gram) drafts. Not packed: it goes through the arena.
+    probs: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
 
 
 @dataclass

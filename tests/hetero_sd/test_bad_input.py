@@ -259,6 +259,6 @@ def test_unknown_subcommand_and_option_are_usage_errors(capsys):
     assert info.value.code == 2
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
-        main(["generate", "--temperature", "0.7"])
+        main(["generate", "--num-beams", "4"])
     assert info.value.code == 2
-    assert "unrecognized arguments: --temperature" in capsys.readouterr().err
+    assert "unrecognized arguments: --num-beams" in capsys.readouterr().err

@@ -195,3 +195,50 @@ def test_python_dash_m(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=Path(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert any(d["device"] == "cpu" for d in json.loads(proc.stdout)["devices"])
+
+
+# ------------------------------------------------------------------ sampling
+def test_sampling_flags_reproduce_with_a_seed(cfg, capsys):
+    args = ("generate", "--config", cfg, "--prompt", "hello", "--max-new-tokens", "12", "--no-chat-template",
+            "--temperature", "1.2", "--top-k", "50", "--top-p", "0.95")
+    first = run_json(capsys, *args, "--seed", "11")
+    again = run_json(capsys, *args, "--seed", "11")
+    assert first["token_ids"] == again["token_ids"]
+    assert first["stats"]["sampling"] == "T=1.2 top_k=50 top_p=0.95 seed=11"
+    others = {tuple(run_json(capsys, *args, "--seed", str(s))["token_ids"]) for s in range(3)}
+    assert len(others | {tuple(first["token_ids"])}) > 1, "different seeds gave the same text every time"
+
+
+def test_sampling_from_yaml(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "sampled.yaml"
+    path.write_text(f"target:\n  model: {tiny_model_dir('llama')}\n"
+                    "generation:\n  max_new_tokens: 8\n  temperature: 0.9\n  top_p: 0.8\n  seed: 5\n")
+    a = run_json(capsys, "generate", "--config", str(path), "--prompt", "hi")
+    b = run_json(capsys, "generate", "--config", str(path), "--prompt", "hi")
+    assert a["token_ids"] == b["token_ids"] and a["stats"]["sampling"] == "T=0.9 top_k=0 top_p=0.8 seed=5"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "-1", "temperature must be >= 0"),
+    ("--top-p", "0", "top_p must be in (0, 1]"),
+    ("--top-p", "1.01", "top_p must be in (0, 1]"),
+    ("--top-k", "-4", "top_k must be an integer >= 0"),
+])
+def test_bad_sampling_flags_exit_2(cfg, capsys, flag, value, message):
+    assert main(["generate", "--config", cfg, "--prompt", "hi", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("temperature", "-0.1", "generation.temperature"),
+    ("top_p", "2", "generation.top_p"),
+    ("top_k", "-1", "generation.top_k"),
+    ("seed", "-5", "generation.seed"),
+])
+def test_bad_sampling_yaml_names_the_key(tiny_model_dir, tmp_path, capsys, key, value, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"target:\n  model: {tiny_model_dir('llama')}\ngeneration:\n  {key}: {value}\n")
+    assert main(["generate", "--config", str(path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err

@@ -1,0 +1,136 @@
+"""Sampling: warping logits into a distribution, and lossless speculative sampling.
+
+Glossary (as in ir/work.py): drafts are proposed, a prefix is *accepted*, and
+one more token is committed after it: the *recovered* token when draft i was
+rejected (drawn from the residual norm(max(0, p_i - q_i))), or the *bonus*
+token drawn from p_k when every draft was accepted. This is the modified
+rejection sampling of Leviathan et al. / Chen et al.: the committed tokens are
+distributed exactly as if the target had sampled them one by one.
+
+The same warp (temperature, then top-k, then top-p, as Hugging Face orders
+them) is applied to draft and target logits, so q and p are the distributions
+each model would really sample from. The n-gram drafter proposes
+deterministically: its q is one-hot, so a draft x is accepted with
+probability p(x) and the residual is p with x removed.
+
+Randomness: one seed per request feeds two independent streams (drafting and
+acceptance), so a run is reproducible token for token with the same seed and
+configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetero_sd.errors import GenerationError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax, no randomness)
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter
+    seed: int | None = None  # None = a fresh random seed per request
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise GenerationError(f"{name} must be a number, got {value!r}")
+        if self.temperature < 0:
+            raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise GenerationError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"T={self.temperature:g} top_k={self.top_k} top_p={self.top_p:g} seed={self.seed}"
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """float64 probabilities [n, V] from logits [n, V] (or [V])."""
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    x = np.atleast_2d(x).copy()
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(x, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]
+        x[x < kth] = -np.inf  # ties with the k-th value are kept, as in transformers
+    x -= x.max(axis=-1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the crossing token included).
+        drop_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p >= params.top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        probs[drop] = 0.0
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a [V] distribution by inverse CDF (one uniform per draw)."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+
+
+class Sampler:
+    """The per-request sampling state: params plus the two random streams."""
+
+    def __init__(self, params: SamplingParams):
+        if params.greedy:
+            raise ValueError("a Sampler is for temperature > 0; greedy decoding needs none")
+        self.params = params
+        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        draft_seq, accept_seq = np.random.SeedSequence(seed).spawn(2)
+        self.draft_rng = np.random.default_rng(draft_seq)
+        self.accept_rng = np.random.default_rng(accept_seq)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        return warp(logits, self.params)
+
+    def sample_draft(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
+        """A draft model's token and the distribution q it came from."""
+        q = self.probs(logits)[-1]
+        return draw(q, self.draft_rng), q
+
+    def sample_target(self, logits: np.ndarray) -> int:
+        return draw(self.probs(logits)[-1], self.accept_rng)
+
+    def accept(self, drafts: list[int], p: np.ndarray, q: np.ndarray | None) -> tuple[int, list[int]]:
+        """Modified rejection sampling. p: [len(drafts)+1, V] target distributions
+        (row i follows the i-th verified token); q: [len(drafts), V] draft
+        distributions, or None for a deterministic drafter (q one-hot).
+        Returns (accepted, committed tokens = accepted drafts + recovered/bonus)."""
+        rng = self.accept_rng
+        for i, x in enumerate(drafts):
+            q_x = 1.0 if q is None else q[i, x]
+            if q_x <= 0:
+                raise GenerationError(f"draft token {x} has probability 0 under its own draft distribution")
+            if rng.random() * q_x < p[i, x]:  # accept with probability min(1, p/q)
+                continue
+            residual = p[i] - (_one_hot(x, p.shape[1]) if q is None else q[i])
+            residual = np.maximum(residual, 0.0)
+            if residual.sum() <= 0:  # p == q here, and then rejection has probability 0
+                residual = p[i]
+            return i, drafts[:i] + [draw(residual, rng)]
+        return len(drafts), list(drafts) + [draw(p[len(drafts)], rng)]
+
+
+def _one_hot(index: int, size: int) -> np.ndarray:
+    out = np.zeros(size)
+    out[index] = 1.0
+    return out

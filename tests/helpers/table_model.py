@@ -1,0 +1,77 @@
+"""A tiny-vocabulary model whose next-token logits are a fixed function of the
+context, behind the real Runner contract, so sampling tests can enumerate the
+target's exact distribution over whole continuations.
+
+    target = TableRunner(vocab=4, seed=0)
+    draft = TableRunner(vocab=4, seed=0, noise=0.7, noise_seed=5)   # close to the target, not equal
+    logits = target.logits_for([1, 2, 3])                            # next-token logits after a context
+
+The logits after a context depend on its last two tokens and its length, so a
+runner that rolled its cache back wrongly, or fed a token twice, would emit
+from a different distribution and the chi-square tests would see it.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from hetero_sd.backends.base import DeviceInfo, PrecisionInfo
+
+_PREC = PrecisionInfo("fp64", True, "table lookup")
+
+
+class TableRunner:
+    def __init__(self, vocab: int, seed: int, noise: float = 0.0, noise_seed: int = 1,
+                 scale: float = 1.5):
+        self.vocab_size, self.max_context = vocab, 1 << 20
+        self.device = DeviceInfo("table", "cpu", "context-hash logits", (_PREC,), "fp64")
+        self.precision = _PREC
+        self.seed, self.noise, self.noise_seed, self.scale = seed, noise, noise_seed, scale
+        self._seqs: dict[int, list[int]] = {}
+        self._next_id = 0
+        self.calls = 0
+
+    def _row(self, key: tuple, seed: int) -> np.ndarray:
+        digest = hashlib.sha256(repr((seed,) + key).encode()).digest()
+        return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.vocab_size)
+
+    def logits_for(self, context: list[int]) -> np.ndarray:
+        key = (tuple(context[-2:]), len(context))
+        row = self.scale * self._row(key, self.seed)
+        if self.noise:
+            row = row + self.noise * self._row(key, self.noise_seed)
+        return row.astype(np.float32)
+
+    # -- the Runner contract --------------------------------------------------------------
+    def allocate(self, capacity: int) -> int:
+        self._next_id += 1
+        self._seqs[self._next_id] = []
+        return self._next_id
+
+    def forward(self, seq_id, tokens, start, num_logits):
+        cache = self._seqs[seq_id]
+        if start > len(cache):
+            raise ValueError(f"start {start} beyond cached length {len(cache)}")
+        del cache[start:]
+        rows = []
+        for t in tokens:
+            cache.append(int(t))
+            rows.append(self.logits_for(cache))
+        self.calls += 1
+        return np.stack(rows[len(rows) - num_logits:])
+
+    def greedy(self, seq_id, tokens, start, num_logits):
+        return [int(i) for i in self.forward(seq_id, tokens, start, num_logits).argmax(-1)]
+
+    def truncate(self, seq_id, length):
+        del self._seqs[seq_id][length:]
+
+    def length(self, seq_id):
+        return len(self._seqs[seq_id])
+
+    def release(self, seq_id):
+        self._seqs.pop(seq_id, None)
+
+    def usage(self):
+        raise NotImplementedError("not needed by the engine")
