@@ -1,6 +1,7 @@
 """Finding backends: built-ins and plugins from the `hetero_sd.backends`
 entry-point group, each checked for API compatibility. A plugin that fails to
-import or declares another API version is recorded as broken, never fatal."""
+import, declares another API version, lacks the Backend methods or whose probe
+raises is recorded as broken (with the reason and its package), never fatal."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +13,9 @@ from hetero_sd.ir.errors import BackendError
 GROUP = "hetero_sd.backends"
 BUILTINS = {"torch": "hetero_sd.backends.torch_backend:TorchBackend",
             "onnxruntime": "hetero_sd.backends.ort_backend:OrtBackend",
-            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend"}
+            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend",
+            # Sees no device unless HETERO_SD_FAKE_BACKEND configures some (tests).
+            "fake": "hetero_sd.backends.fake_backend:FakeBackend"}
 
 
 @dataclass
@@ -33,15 +36,33 @@ def _load(spec: str):
     return getattr(obj, attr)
 
 
-def _instantiate(name: str, factory, registry: Registry) -> None:
+def load_builtin(name: str) -> Backend:
+    """A fresh instance of the built-in backend `name` (a key of BUILTINS)."""
+    return _load(BUILTINS[name])()
+
+
+def _instantiate(name: str, factory, registry: Registry, origin: str = "", probe: bool = False) -> None:
     try:
         backend = factory()
+        missing = [m for m in ("probe", "load") if not callable(getattr(backend, m, None))]
+        if missing:
+            raise BackendError(f"{type(backend).__name__} is not a backend: no {' or '.join(missing)} method")
         version = getattr(backend, "api_version", None)
         if version != API_VERSION:
             raise BackendError(f"declares API version {version}, this hetero-sd speaks {API_VERSION}")
+        if probe:  # third-party probes run once here, so a crashing one is caught before use
+            try:
+                list(backend.probe())
+            except Exception as exc:
+                raise BackendError(f"probe() raised {type(exc).__name__}: {exc}") from exc
         registry.backends[name] = backend
-    except Exception as exc:  # a third-party plugin may fail in any way
-        registry.broken[name] = f"{type(exc).__name__}: {exc}"
+    except (Exception, SystemExit) as exc:  # a third-party plugin may fail in any way
+        registry.broken[name] = f"{origin}{type(exc).__name__}: {exc}"
+
+
+def _origin(ep) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"[{dist.name} {dist.version}, {ep.value}] " if dist is not None else f"[{ep.value}] "
 
 
 def discover() -> Registry:
@@ -51,5 +72,7 @@ def discover() -> Registry:
         if name not in found:  # running from a source tree without installed metadata
             _instantiate(name, lambda spec=spec: _load(spec)(), registry)
     for name, ep in found.items():
-        _instantiate(name, lambda ep=ep: ep.load()(), registry)
+        builtin = BUILTINS.get(name) == ep.value
+        _instantiate(name, lambda ep=ep: ep.load()(), registry,
+                     origin="" if builtin else _origin(ep), probe=not builtin)
     return registry
