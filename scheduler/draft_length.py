@@ -1,9 +1,21 @@
-"""How far ahead to draft: a policy fed with acceptance after each round."""
+"""How far ahead to draft: a policy fed with acceptance (and timings) after each round.
+
+The engine calls `next_k(remaining)` before each round and
+`observe(drafted, accepted, draft_s, verify_s)` after its verify, where
+drafted is how many drafts the target actually verified (the n-gram drafter
+may return fewer than asked, or none), accepted how many of them it kept,
+and the optional timings are the seconds the drafter and the verify took.
+Policies are deterministic functions of those observations: no clock, no
+randomness inside.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
+from hetero_sd.scheduler.acceptance import AcceptanceTracker
+from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
 
 
 @dataclass
@@ -16,8 +28,199 @@ class FixedDraftLength:
         if not 1 <= self.k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k must be in 1..{MAX_DRAFT_TOKENS}, got {self.k}")
 
+    def _explore_k(self, k: int) -> int:
+        """The k nearest to the chosen one (smaller first) whose verify or draft
+        cost is still unseen, 0 included (a plain decode is the baseline every
+        k is compared with); k itself when every k has been seen."""
+        unseen = [j for j in range(0, self.k_max + 1)
+                  if not self._verify.seen(j + 1) or (j > 0 and not self._draft.seen(j))]
+        return min(unseen, key=lambda j: (abs(j - k), j)) if unseen else k
+
     def next_k(self, remaining: int) -> int:
         return max(0, min(self.k, remaining))
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
+                verify_s: float | None = None) -> None:
         """Fixed: acceptance does not change k (adaptive policies override this)."""
+
+    def reset(self) -> None:
+        """A new request (nothing to forget)."""
+
+
+# Without a measured profile: a cheap drafter, and a verify costing 10% of a
+# decode more per extra token (this CPU measured 3-28%, PERF-NOTES.md). Only
+# the shape matters: timings passed to observe() rescale it to seconds.
+DEFAULT_COST = RoundCost(verify=CostCurve(((1, 1.0), (2, 1.1))), draft=CostCurve.affine(0.0, 0.02))
+
+
+class OnlineCurve:
+    """A cost curve learnt from timings, as prior(n) x level x shape(n).
+
+    level: the factor every size shares (it turns a relative prior into
+    seconds and follows costs that grow with the context). shape(n): what the
+    prior got wrong about size n alone (e.g. a jump between widths 4 and 5),
+    set by its first timing and refined slowly after. Each timing updates the
+    level by what it says once the size's shape is divided out, then the
+    shape by what is left, so sitting at one size never rescales the others'
+    shapes. Sizes whose prior is 0 keep plain moving averages.
+    """
+
+    def __init__(self, prior: CostCurve, smoothing: float = 0.25, min_obs: int = 2):
+        self.prior, self.smoothing, self.min_obs = prior, smoothing, min_obs
+        self.level: float | None = None
+        self.shape: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+        self.raw: dict[int, float] = {}
+        self._prior: dict[int, float] = {}  # prior(n), computed once per size
+
+    def _base(self, n: int) -> float:
+        base = self._prior.get(n)
+        if base is None:
+            base = self._prior[n] = self.prior(n)
+        return base
+
+    def observe(self, n: int, seconds: float) -> None:
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"a timing must be finite seconds >= 0, got {seconds}")
+        s, base = self.smoothing, self._base(n)
+        self.count[n] = self.count.get(n, 0) + 1
+        if base <= 0:
+            old = self.raw.get(n)
+            self.raw[n] = seconds if old is None else old + s * (seconds - old)
+            return
+        ratio = seconds / base
+        if self.level is None or self.level <= 0:
+            self.level, self.shape[n] = ratio, 1.0
+        elif n not in self.shape:
+            self.shape[n] = ratio / self.level  # a new size: its deviation is its own
+        else:
+            self.level += s * (ratio / self.shape[n] - self.level)
+            if self.level > 0:
+                self.shape[n] += s / 4 * (ratio / self.level - self.shape[n])
+
+    def seen(self, n: int) -> bool:
+        return self.count.get(n, 0) >= self.min_obs
+
+    def __call__(self, n: int) -> float:
+        base = self._base(n)
+        if base <= 0:
+            return self.raw.get(n, 0.0)
+        level = 1.0 if self.level is None else self.level
+        return base * level * self.shape.get(n, 1.0)
+
+    def snapshot(self, n_max: int) -> CostCurve:
+        return CostCurve(tuple((n, self(n)) for n in range(1, n_max + 1)))
+
+
+class AdaptiveDraftLength:
+    """Acceptance-driven k in 0..k_max, per request.
+
+    alpha: the posterior mean of a Beta(prior) over per-token acceptance, with
+    counts discounted by `decay` each round, so it follows a prompt
+    that turns from grounded to open-ended. Costs: `cost` (a measured profile,
+    or a relative default) corrected online by the timings given to observe().
+    Each round it picks the k maximising expected tokens per second
+    (cost_model.RoundCost.best_k); k = 0 switches speculation off. While off it
+    probes every `probe_every` rounds with the k that an optimistic (upper
+    confidence) acceptance would choose, at least 1; a probe that fails
+    doubles the interval (up to `max_probe_every`), one that turns
+    speculation back on resets it. While on and fed timings, every
+    `explore_every`-th round tries the nearest k whose costs it has not seen
+    yet (once per k, kept across requests), so a cost the prior got wrong at
+    some width is found rather than assumed.
+    """
+
+    def __init__(self, k_max: int, cost: RoundCost | None = None, *, prior_alpha: float = 0.6,
+                 prior_weight: float = 4.0, decay: float = 0.95, probe_every: int = 8,
+                 max_probe_every: int = 64, explore_every: int = 8, hit_smoothing: float = 0.1):
+        if not 1 <= k_max <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"k_max must be in 1..{MAX_DRAFT_TOKENS}, got {k_max}")
+        if not 0 < prior_alpha < 1 or prior_weight <= 0 or not 1 <= probe_every <= max_probe_every:
+            raise ValueError("need 0 < prior_alpha < 1, prior_weight > 0 and 1 <= probe_every <= max_probe_every")
+        self.k_max = k_max
+        self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
+        self.base_probe_every, self.max_probe_every, self.hit_smoothing = probe_every, max_probe_every, hit_smoothing
+        self.explore_every = explore_every
+        self._timed = False  # timings have been observed: exploring costs teaches something
+        prior = cost or DEFAULT_COST
+        self._verify, self._draft = OnlineCurve(prior.verify), OnlineCurve(prior.draft)
+        self._acceptance = AcceptanceTracker(decay)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new request: acceptance and the n-gram hit rate start over; costs are
+        properties of the placement and are kept."""
+        self._acceptance.reset()
+        self.hit_rate = 1.0
+        self.probe_every = self.base_probe_every
+        self._off_rounds = self._on_rounds = 0
+        self._probe_tries = 0  # > 0 while a probe waits for a round that has drafts
+        self._asked: int | None = None
+        self._choice: int | None = None  # cached decision; None = recompute
+
+    @property
+    def alpha(self) -> float:
+        return self._acceptance.mean(self.prior_alpha, self.prior_weight)
+
+    def round_cost(self) -> RoundCost:
+        return RoundCost(self._verify.snapshot(self.k_max + 1), self._draft.snapshot(self.k_max))
+
+    def _decide(self) -> int:
+        if self._choice is None:
+            self._choice = self.round_cost().best_k(self.alpha, self.k_max, self.hit_rate)[0]
+        return self._choice
+
+    def _probe_k(self) -> int:
+        """The k an optimistic acceptance (2-sigma upper bound, prior included) would pick."""
+        tr = self._acceptance
+        n = tr.trials + self.prior_weight
+        p = (tr.successes + self.prior_alpha * self.prior_weight) / n
+        upper = min(1.0, p + 2.0 * math.sqrt(p * (1 - p) / n))
+        return max(1, self.round_cost().best_k(upper, self.k_max, self.hit_rate)[0])
+
+    def _explore_k(self, k: int) -> int:
+        """The k nearest to the chosen one (smaller first) whose verify or draft
+        cost is still unseen, 0 included (a plain decode is the baseline every
+        k is compared with); k itself when every k has been seen."""
+        unseen = [j for j in range(0, self.k_max + 1)
+                  if not self._verify.seen(j + 1) or (j > 0 and not self._draft.seen(j))]
+        return min(unseen, key=lambda j: (abs(j - k), j)) if unseen else k
+
+    def next_k(self, remaining: int) -> int:
+        if remaining <= 0:
+            self._asked = 0
+            return 0
+        k = self._decide()
+        if k > 0:
+            self._off_rounds = 0
+            self._on_rounds += 1
+            if self._timed and self._on_rounds % self.explore_every == 0:
+                k = self._explore_k(k)
+        else:
+            self._off_rounds += 1
+            if self._probe_tries or self._off_rounds >= self.probe_every:
+                k = self._probe_k()
+                self._probe_tries += 1
+        self._asked = min(k, remaining)
+        return self._asked
+
+    def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
+                verify_s: float | None = None) -> None:
+        asked = drafted if self._asked is None else max(self._asked, drafted)
+        self._asked = None
+        self._acceptance.observe(drafted, accepted)  # validates; a round without drafts is no evidence
+        if asked > 0:  # how often the drafter finds anything (n-gram misses)
+            self.hit_rate += self.hit_smoothing * ((1.0 if drafted else 0.0) - self.hit_rate)
+            if draft_s is not None:
+                self._draft.observe(asked, draft_s)
+        if verify_s is not None:
+            self._verify.observe(drafted + 1, verify_s)
+            self._timed = True
+        self._choice = None
+        if self._probe_tries and (drafted > 0 or self._probe_tries >= 4):
+            self._end_probe()
+
+    def _end_probe(self) -> None:
+        on = self._decide() > 0
+        self.probe_every = self.base_probe_every if on else min(2 * self.probe_every, self.max_probe_every)
+        self._probe_tries, self._off_rounds = 0, 0
