@@ -1,0 +1,171 @@
+"""The bench, start to end: check every input, tokenize once, run ours then
+the peers one after another in this process, compare, write the files."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetero_sd.bench.common import EOS_POLICIES, WARMUP_PROMPT, Progress, RunResult, Workload
+from hetero_sd.bench.ours import TARGET_ONLY, load_configs, planned_runs, run_ours
+from hetero_sd.bench.prompts import default_prompts_path, load_prompts
+from hetero_sd.bench.report import compare, headline, summarize, to_markdown
+from hetero_sd.config import PACKAGED, Config, resolve_model
+from hetero_sd.errors import ConfigError
+
+PEERS = ("genai", "transformers")
+DEFAULT_CONFIGS = ("cpu.yaml", "cpu-draft-model.yaml")
+
+
+@dataclass
+class BenchOptions:
+    prompts: str | None = None  # None: the packaged prompt set
+    configs: list[str] = field(default_factory=list)  # empty: DEFAULT_CONFIGS from the package
+    peers: tuple[str, ...] = PEERS
+    max_new_tokens: int = 128
+    kinds: list[str] | None = None
+    model: str = "default"
+    eos_policy: str = "ignore"
+    progress: bool | None = None  # None: a bar only when stderr is a terminal
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ConfigError(f"--peers: unknown {', '.join(unknown)}; allowed: {', '.join(PEERS)} or none")
+        if self.eos_policy not in EOS_POLICIES:
+            raise ConfigError(f"--eos must be one of {', '.join(EOS_POLICIES)}, got {self.eos_policy!r}")
+
+
+def _peer_spec(configs: list[Config], model_path: Path) -> dict:
+    """Peers draft like our configurations do: the first n-gram and the first draft-model config."""
+    spec = {"ngram_k": 5, "max_ngram": 4, "draft_k": 4, "draft_path": model_path, "draft_precision": "fp32"}
+    ngram = next((c for c in configs if c.drafter.kind == "ngram"), None)
+    if ngram:
+        spec["ngram_k"], spec["max_ngram"] = ngram.drafter.k, ngram.drafter.max_ngram
+    drafted = next((c for c in configs if c.drafter.kind == "model"), None)
+    if drafted:
+        base = Path(drafted.source).parent
+        spec["draft_k"], spec["draft_precision"] = drafted.drafter.k, drafted.drafter.precision
+        spec["draft_path"] = resolve_model(drafted.drafter.model or drafted.target.model, base).resolve()
+    return spec
+
+
+def _check_placements(configs: list[Config]) -> None:
+    """Backends, devices and precisions exist here (probes only): a typo fails before any load."""
+    from hetero_sd.backends.registry import discover
+    from hetero_sd.builder import check_placement
+
+    registry = discover()
+    for cfg in configs:
+        check_placement(registry, cfg.target, f"{cfg.source}: target")
+        if cfg.drafter.kind == "model":
+            check_placement(registry, cfg.drafter, f"{cfg.source}: draft model")
+
+
+def _workload(model_path: Path, prompts, opts: BenchOptions) -> Workload:
+    from hetero_sd.engine import Engine
+    from hetero_sd.ir import load_model_ir
+
+    ir = load_model_ir(model_path)
+    tok = ir.load_tokenizer()
+    eos = set(ir.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    enc = Engine(None, tokenizer=tok, chat_template=True)  # encoding only: the ids every run gets
+    return Workload(prompts, {p.id: enc.encode(p.prompt) for p in prompts}, enc.encode(WARMUP_PROMPT),
+                    opts.max_new_tokens, opts.eos_policy, tuple(sorted(eos)))
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    opts.check()
+    prompts = load_prompts(opts.prompts, opts.kinds)
+    model = opts.model
+    if model != "default" and Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())  # configs live elsewhere: make it absolute
+    model_path = resolve_model(model, None).resolve()
+    paths = opts.configs or [str(PACKAGED / name) for name in DEFAULT_CONFIGS]
+    configs = load_configs(paths, model, opts.max_new_tokens)
+    _check_placements(configs)
+    work = _workload(model_path, prompts, opts)
+    spec = _peer_spec(configs, model_path)
+
+    total = len(prompts) * (planned_runs(configs) + 6 * ("genai" in opts.peers) + 3 * ("transformers" in opts.peers))
+    progress = Progress(total, opts.progress)
+    runs: list[RunResult] = []
+    skipped: dict[str, str] = {}
+    try:
+        got, why = run_ours(configs, work, progress)
+        runs += got
+        skipped |= why
+        if "genai" in opts.peers:
+            from hetero_sd.bench.genai_peer import run_genai
+
+            got, why = run_genai(model_path, spec["draft_path"], spec, work, progress)
+            runs, skipped = runs + got, skipped | why
+        if "transformers" in opts.peers:
+            from hetero_sd.bench.hf_peer import run_transformers
+
+            got, why = run_transformers(model_path, spec["draft_path"], spec["draft_precision"], spec, work,
+                                        progress)
+            runs, skipped = runs + got, skipped | why
+    finally:
+        progress.close()
+    rows = compare(runs, TARGET_ONLY)
+    summary = summarize(runs, rows)
+    return {"meta": _meta(opts, model_path, prompts, paths, spec), "runs": [_run_info(r) for r in runs],
+            "skipped": skipped, "summary": summary, "headline": headline(summary), "results": rows}
+
+
+def _run_info(r: RunResult) -> dict:
+    return {"name": r.name, "family": r.family, "label": r.label, "settings": r.settings,
+            "own_greedy": r.own_greedy, "lossless_settings": r.lossless_settings, "load_s": r.load_s}
+
+
+def _meta(opts: BenchOptions, model_path: Path, prompts, paths: list[str], spec: dict) -> dict:
+    return {"model": model_path.name, "model_path": str(model_path), "max_new_tokens": opts.max_new_tokens,
+            "eos_policy": opts.eos_policy, "greedy": True, "chat_template": True,
+            "prompts_file": str(opts.prompts or default_prompts_path()), "prompts": len(prompts),
+            "kinds": list(dict.fromkeys(p.kind for p in prompts)), "configs": paths,
+            "peers": list(opts.peers), "baseline": TARGET_ONLY,
+            "peer_drafting": {k: str(v) for k, v in spec.items()},
+            "host": {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                     "processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+            "versions": _versions(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("hetero-sd", "torch", "transformers", "openvino", "openvino-genai", "onnxruntime"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def write_outputs(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """bench.json, bench.md and bench.png in `out_dir` (created). The figures are written
+    first: without matplotlib the chart is left out with a note, the results are kept."""
+    from hetero_sd.bench.chart import write_png
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md", "png": out / "bench.png"}
+    paths["json"].write_text(json.dumps(report, indent=1) + "\n")
+    paths["markdown"].write_text(to_markdown(report))
+    try:
+        write_png(report, paths["png"])
+    except ImportError as exc:
+        log(f"no chart: {exc} (pip install -e '.[bench]' for matplotlib)")
+        del paths["png"]
+    return paths
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

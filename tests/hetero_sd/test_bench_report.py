@@ -1,0 +1,93 @@
+"""Bench arithmetic on hand-made samples: ratios per prompt, geometric means
+per kind, token identity against target-only and each runtime's own greedy."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetero_sd.bench.common import RunResult, Sample, Workload
+from hetero_sd.bench.report import compare, first_difference, headline, summarize, to_markdown
+
+
+def _run(name, family, per_prompt, own=None, lossless=True):
+    """per_prompt: {id: (kind, ids, total_s, prefill_s, drafted, accepted)}"""
+    return RunResult(name, family, name, own_greedy=own or name, lossless_settings=lossless,
+                     samples=[Sample(i, k, 5, ids, t, p, "length", d, a)
+                              for i, (k, ids, t, p, d, a) in per_prompt.items()])
+
+
+BASE = _run("ours target-only", "ours", {"g1": ("grounded", [1, 2, 3, 4], 1.0, 0.1, None, None),
+                                         "g2": ("grounded", [5, 6, 7, 8], 2.0, 0.2, None, None),
+                                         "o1": ("open", [9, 9, 9, 9], 1.0, 0.1, None, None)})
+SPEC = _run("ours ngram", "ours", {"g1": ("grounded", [1, 2, 3, 4], 0.5, 0.1, 6, 3),
+                                   "g2": ("grounded", [5, 6, 7, 8], 0.5, 0.2, 4, 4),
+                                   "o1": ("open", [9, 9, 9, 9], 2.0, 0.1, 2, 0)}, own="ours target-only")
+PEER = _run("peer plain", "genai", {"g1": ("grounded", [1, 2, 0, 4], 0.25, 0.1, None, None),
+                                    "g2": ("grounded", [5, 6, 7, 8], 1.0, 0.2, None, None),
+                                    "o1": ("open", [9, 9, 9], 1.0, 0.1, None, None)})
+PEER_PL = _run("peer lookup", "genai", {"g1": ("grounded", [1, 2, 0, 4], 0.5, 0.1, None, None),
+                                        "g2": ("grounded", [5, 6, 7, 0], 1.0, 0.2, None, None),
+                                        "o1": ("open", [9, 9, 9], 1.0, 0.1, None, None)}, own="peer plain")
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_per_prompt_ratios_and_identity():
+    rows = {(r["run"], r["id"]): r for r in compare([BASE, SPEC, PEER, PEER_PL], "ours target-only")}
+    assert rows[("ours ngram", "g1")]["speedup"] == pytest.approx(2.0)  # 4/0.5 over 4/1.0
+    assert rows[("ours ngram", "g1")]["decode_speedup"] == pytest.approx((3 / 0.4) / (3 / 0.9))
+    assert rows[("peer plain", "g1")]["identical_to_target_only"] is False
+    assert rows[("peer plain", "g1")]["first_difference_vs_target_only"] == 2
+    assert rows[("peer plain", "o1")]["identical_to_target_only"] is False  # shorter is not identical
+    assert rows[("peer plain", "g2")]["identical_to_target_only"] is True
+    assert rows[("peer lookup", "g1")]["identical_to_own_greedy"] is True  # same wrong ids as its greedy
+    assert rows[("peer lookup", "g2")]["identical_to_own_greedy"] is False
+    assert rows[("peer plain", "o1")]["speedup"] == pytest.approx(3.0 / 4.0)
+
+
+def test_summary_geometric_means_and_counts():
+    runs = [BASE, SPEC, PEER, PEER_PL]
+    summary = {(s["run"], s["kind"]): s for s in summarize(runs, compare(runs, "ours target-only"))}
+    g = summary[("peer plain", "grounded")]
+    assert g["speedup"] == pytest.approx(math.sqrt(4.0 * 2.0))  # ratios 4x and 2x
+    assert g["identical_to_target_only"] == 1 and g["prompts"] == 2
+    assert summary[("ours ngram", "grounded")]["acceptance"] == pytest.approx(7 / 10)  # pooled over prompts
+    assert summary[("ours ngram", "all")]["prompts"] == 3
+    assert summary[("ours ngram", "all")]["speedup"] == pytest.approx((2.0 * 4.0 * 0.5) ** (1 / 3))
+    assert summary[("peer lookup", "grounded")]["identical_to_own_greedy"] == 1
+    assert summary[("ours target-only", "open")]["acceptance"] is None
+
+
+def test_headline_picks_lossless_bests():
+    timing = {s.id: (s.kind, s.token_ids, s.total_s, s.prefill_s, None, None) for s in PEER.samples}
+    peer_default = _run("peer default", "genai", timing, lossless=False)
+    exact = {i: (k, BASE.samples[n].token_ids, t * 2, p, d, a) for n, (i, (k, ids, t, p, d, a)) in
+             enumerate(timing.items())}
+    peer_exact = _run("peer exact", "genai", exact)  # half as fast, identical to its own greedy
+    runs = [BASE, SPEC, peer_default, peer_exact]
+    summary = summarize(runs, compare(runs, "ours target-only"))
+    h = {e["kind"]: e for e in headline(summary)}["grounded"]
+    assert h["ours, lossless"]["run"] == "ours ngram"
+    assert h["GenAI, CPU defaults"]["run"] == "peer default"
+    assert h["GenAI, exact hints, identical to its greedy"]["run"] == "peer exact"
+    # ours: ratios 2x, 4x; peer default: 4x, 2x; peer exact: 2x, 1x (geometric means over the 2 prompts)
+    assert h["ours, lossless"]["speedup"] == pytest.approx(math.sqrt(8.0))
+    assert h["ours / GenAI, CPU defaults"] == pytest.approx(1.0)
+    assert h["ours / GenAI, exact hints, identical to its greedy"] == pytest.approx(2.0)
+    md = to_markdown({"meta": {"model": "m", "prompts": 3, "max_new_tokens": 4, "eos_policy": "ignore",
+                               "baseline": "ours target-only"}, "summary": summary, "headline": headline(summary),
+                      "runs": [], "skipped": {"x": "why"}})
+    assert "| grounded | peer default | 4 |" in md and "- skipped x: why" in md
+
+
+def test_workload_strips_only_a_trailing_eos_when_stopping():
+    stop = Workload([], {}, [], 8, "stop", (2,))
+    assert stop.strip_eos([5, 6, 2]) == ([5, 6], "eos")
+    assert stop.strip_eos([5, 2, 6]) == ([5, 2, 6], "length")
+    ignore = Workload([], {}, [], 8, "ignore", (2,))
+    assert ignore.strip_eos([5, 6, 2]) == ([5, 6, 2], "length") and ignore.stop_ids == ()
