@@ -11,6 +11,7 @@ from hetero_sd.drafters import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import BackendError, ConfigError
 from hetero_sd.ir.model import ModelIR, load_model_ir
+from hetero_sd.scheduler import AdaptiveDraftLength
 
 
 def _progress_bar(enabled: bool, label: str):
@@ -55,16 +56,31 @@ def _check_same_tokenizer(target_tok, draft_ir: ModelIR) -> None:
                           "different tokenizer; draft and target must share a tokenizer")
 
 
+def _finish(cfg: Config, target: Runner, target_ir: ModelIR, drafter, draft_ir: ModelIR | None, **engine_kw):
+    tokenizer = target_ir.load_tokenizer()
+    if draft_ir is not None and draft_ir.source.resolve() != target_ir.source.resolve():
+        _check_same_tokenizer(tokenizer, draft_ir)
+    eos = set(target_ir.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max
+    return Engine(target, drafter, k=k, tokenizer=tokenizer, eos_ids=tuple(sorted(eos)),
+                  max_new_tokens=cfg.generation.max_new_tokens, stop=tuple(cfg.generation.stop),
+                  chat_template=cfg.generation.chat_template, sampling=cfg.generation.sampling(), **engine_kw)
+
+
 def build_engine(cfg: Config, progress: bool = False) -> Engine:
     base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
     registry = discover()
+    if cfg.placement == "auto":
+        return _build_auto(cfg, registry, base, progress)
     # Every placement is checked before any model loads, so a typo fails in a second.
     check_placement(registry, cfg.target, "target")
     if cfg.drafter.kind == "model":
         check_placement(registry, cfg.drafter, "draft model")
     target_ir = load_model_ir(resolve_model(cfg.target.model, base))
     target = load_runner(registry, cfg.target, target_ir, cfg.memory.kv_budget, "target", progress)
-    drafter = None
+    drafter = draft_ir = None
     d = cfg.drafter
     if d.kind == "ngram":
         drafter = NgramDrafter(d.min_ngram, d.max_ngram)
@@ -72,12 +88,26 @@ def build_engine(cfg: Config, progress: bool = False) -> Engine:
         draft_ir = load_model_ir(resolve_model(d.model or cfg.target.model, base))
         runner = load_runner(registry, d, draft_ir, cfg.memory.kv_budget, "draft model", progress)
         drafter = ModelDrafter(runner, target.vocab_size, f"draft model {draft_ir.source.name}")
-    tokenizer = target_ir.load_tokenizer()
-    if d.kind == "model" and draft_ir.source.resolve() != target_ir.source.resolve():
-        _check_same_tokenizer(tokenizer, draft_ir)
-    eos = set(target_ir.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return Engine(target, drafter, k=d.k, tokenizer=tokenizer, eos_ids=tuple(sorted(eos)),
-                  max_new_tokens=cfg.generation.max_new_tokens, stop=tuple(cfg.generation.stop),
-                  chat_template=cfg.generation.chat_template, sampling=cfg.generation.sampling())
+    policy = AdaptiveDraftLength(d.k_max) if d.k == "auto" else None  # learns costs from its own timings
+    return _finish(cfg, target, target_ir, drafter, draft_ir, policy=policy)
+
+
+def _build_auto(cfg: Config, registry: Registry, base: Path | None, progress: bool) -> Engine:
+    from hetero_sd.auto import build_auto
+
+    target_ir = load_model_ir(resolve_model(cfg.target.model, base))
+    draft_ir = None
+    if cfg.drafter.kind in ("auto", "model"):
+        draft_path = resolve_model(cfg.drafter.model or cfg.target.model, base)
+        draft_ir = target_ir if draft_path.resolve() == target_ir.source.resolve() else load_model_ir(draft_path)
+    irs = {target_ir.source: target_ir, **({draft_ir.source: draft_ir} if draft_ir is not None else {})}
+
+    def loader(placement, path, role):
+        return load_runner(registry, placement, irs[Path(path)], cfg.memory.kv_budget, role, progress)
+
+    target, drafter, policy, fallback, plan = build_auto(
+        cfg, registry, target_ir.source, None if draft_ir is None else draft_ir.source, loader, progress)
+    engine = _finish(cfg, target, target_ir, drafter, draft_ir if drafter is not None else None,
+                     policy=policy, fallback=fallback)
+    engine.plan = plan
+    return engine

@@ -1,11 +1,11 @@
-"""The `hetero-sd` command line: generate, devices."""
+"""The `hetero-sd` command line: generate, devices, profile, bench."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from hetero_sd.errors import HeteroSDError
+from hetero_sd.errors import GenerationError, HeteroSDError
 
 
 def _generate(args) -> int:
@@ -26,7 +26,17 @@ def _generate(args) -> int:
     if not prompt.strip():
         raise HeteroSDError("no prompt: pass --prompt TEXT or pipe text on stdin")
     engine = build_engine(cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
-    result = engine.generate(prompt, target_only=args.target_only)
+    if args.explain:
+        print(engine.plan.explain() if engine.plan is not None else
+              "placement: manual (the config fixes every placement; set placement: auto to let "
+              "the splitter choose)", file=sys.stderr)
+    try:
+        result = engine.generate(prompt, target_only=args.target_only)
+    except GenerationError as exc:
+        partial = getattr(exc, "partial", None)
+        if partial is not None and partial.token_ids:  # never lose what was already produced
+            print(json.dumps({**partial.to_dict(), "error": str(exc)}) if args.json else partial.text)
+        raise
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -81,11 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    gen.add_argument("--explain", action="store_true",
+                     help="print why each placement was chosen (placement: auto) to stderr")
     gen.add_argument("--progress", action="store_true", help="show load progress even when not a TTY")
     gen.set_defaults(func=_generate)
     dev = sub.add_parser("devices", help="list backends, devices and precisions on this host")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     dev.set_defaults(func=_devices)
+    from hetero_sd import profile_cli
+    from hetero_sd.bench import add_parser as add_bench_parser
+
+    profile_cli.add_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -8,7 +8,7 @@ import importlib.resources
 import importlib.util
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -33,8 +33,10 @@ class ModelPlacement(_Section):
 
 
 class DrafterConfig(_Section):
-    kind: Literal["ngram", "model", "none"] = "ngram"
-    k: int = Field(5, ge=1, le=MAX_DRAFT_TOKENS)
+    kind: Literal["ngram", "model", "none", "auto"] = "ngram"  # auto: the splitter picks (placement: auto)
+    # A fixed draft length, or "auto": adapt it per round to acceptance and measured costs.
+    k: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | Literal["auto"] = 5
+    k_max: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)  # the bound for k: auto
     min_ngram: int = Field(2, ge=1)
     max_ngram: int = Field(4, ge=1)
     model: str | None = None  # kind=model: defaults to the target's model
@@ -75,11 +77,26 @@ class MemoryConfig(_Section):
         return size
 
 
+class AutoConfig(_Section):
+    """How `placement: auto` decides (ignored with placement: manual)."""
+
+    backends: list[str] = Field(default_factory=list)  # backends to consider; empty = all available
+    precisions: list[str] = Field(default_factory=list)  # empty = all
+    acceptance: dict[Literal["ngram", "model"], Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict)  # prior acceptance guesses; the adaptive k corrects them online
+    prompt_tokens: int = Field(128, ge=1)  # the typical prompt the plan is optimised for
+    quick: bool = False  # a shorter first profile (less accurate)
+
+
 class Config(_Section):
+    # manual: run where target/drafter say. auto: profile this host (cached) and let the
+    # splitter choose every placement field, drafter kind and k the YAML leaves out.
+    placement: Literal["manual", "auto"] = "manual"
     target: ModelPlacement = Field(default_factory=ModelPlacement)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    auto: AutoConfig = Field(default_factory=AutoConfig)
     source: str = Field("<defaults>", exclude=True)  # the file it came from, for messages
 
 
@@ -165,6 +182,11 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(_format(exc, str(path))) from None
     except TypeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    if cfg.placement == "manual" and cfg.drafter.kind == "auto":
+        raise ConfigError(f"{path}: drafter.kind: 'auto' needs 'placement: auto' at the top level "
+                          "(or name a kind: ngram, model, none)")
+    if isinstance(cfg.drafter.k, int) and cfg.drafter.k > cfg.drafter.k_max and "k_max" in cfg.drafter.model_fields_set:
+        raise ConfigError(f"{path}: drafter.k ({cfg.drafter.k}) exceeds drafter.k_max ({cfg.drafter.k_max})")
     if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
         raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
                           f"drafter.max_ngram ({cfg.drafter.max_ngram})")

@@ -107,8 +107,9 @@ class Sampler:
         q = self.probs(logits)[-1]
         return draw(q, self.draft_rng), q
 
-    def sample_target(self, logits: np.ndarray) -> int:
-        return draw(self.probs(logits)[-1], self.accept_rng)
+    def draw_target(self, p: np.ndarray) -> int:
+        """A token from one target distribution row (the first token after prefill)."""
+        return draw(p, self.accept_rng)
 
     def accept(self, drafts: list[int], p: np.ndarray, q: np.ndarray | None) -> tuple[int, list[int]]:
         """Modified rejection sampling. p: [len(drafts)+1, V] target distributions

@@ -1,7 +1,7 @@
 """Per-request statistics: what a user needs to judge a speculative run."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -18,6 +18,7 @@ class GenerationStats:
     total_s: float = 0.0
     finish_reason: str = ""  # "eos" | "length" | "stop" | "context"
     lossless: str = "exact"  # "exact" or "up to numerics" (target not batch-invariant)
+    events: list[str] = field(default_factory=list)  # device failures and what took over
     sampling: str = "greedy"  # or "T=.. top_k=.. top_p=.. seed=.." (exact = distribution-preserving)
 
     @property
@@ -62,6 +63,8 @@ class GenerationStats:
                      f"{self.mean_accepted:.2f}/round over {self.rounds} rounds")
         line += (f" | prefill {self.prefill_s:.2f}s draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s "
                  f"other {self.other_s:.2f}s | finish: {self.finish_reason}")
+        if self.events:
+            line += f" | {len(self.events)} failover events (see stats.events)"
         if self.sampling != "greedy":
             line += f" | sampling {self.sampling}"
         if self.lossless != "exact":

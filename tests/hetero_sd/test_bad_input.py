@@ -94,7 +94,7 @@ CASES = [
     Case("unknown-key",
          lambda t, m, s: tiny_yaml(m, drafter="kk: 3"),
          ConfigError, lambda t, m, s: ["bad.yaml", "drafter.kk", "unknown key",
-                                       "allowed: kind, k, min_ngram, max_ngram, model, backend, device, precision"]),
+                                       "allowed: kind, k, k_max, min_ngram, max_ngram, model, backend, device, precision"]),
     Case("unknown-section",
          lambda t, m, s: tiny_yaml(m, drafterr="k: 3"),
          ConfigError, lambda t, m, s: ["bad.yaml", "drafterr", "allowed: target, drafter, generation, memory"]),

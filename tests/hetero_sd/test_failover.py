@@ -1,0 +1,141 @@
+"""A device that fails mid-generation costs speed, never output.
+
+Fake devices (backends/fake_backend.py) wrap the real torch CPU runner, so a
+replacement device has the same numerics and the output after a failover must
+be token-identical to an undisturbed run: for the target (replayed into the
+replacement's cache) and for the drafter (dropped, replaced or not), greedy
+and seeded sampling alike, failing at many points of the run.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetero_sd.backends.fake_backend import ENV, FakeBackend, FakeDeviceSpec, FakeFailure
+from hetero_sd.cli import main
+from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.engine import Engine
+from hetero_sd.errors import GenerationError
+from hetero_sd.failover import RankedFallback
+from hetero_sd.ir import load_model_ir
+from hetero_sd.sampling import SamplingParams
+from helpers.tiny_models import random_prompt
+
+BUDGET = 4 << 20
+
+
+def _fake(failing_after: int | None = None, kind: str = "runtime_error") -> FakeBackend:
+    failure = None if failing_after is None else FakeFailure(after_calls=failing_after, kind=kind, hang_s=0.01)
+    return FakeBackend(devices=[FakeDeviceSpec(device="fake:0", failure=failure), FakeDeviceSpec(device="fake:1")])
+
+
+def _prompt(seed: int) -> list[int]:
+    head = random_prompt(10, seed=seed)
+    return head + head[:6]  # a repeat, so the n-gram drafter proposes
+
+
+@pytest.fixture(scope="module")
+def ir(tiny_model_dir):
+    return load_model_ir(tiny_model_dir("llama"))
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingParams(0.9, top_k=20, seed=3)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "model"])
+def test_target_failure_moves_to_the_next_device_token_identically(ir, drafter_kind, sampling):
+    prompt, new = _prompt(1), 24
+    healthy = _fake().load(ir, "fake:1", "fp32", BUDGET)
+
+    def drafter():
+        if drafter_kind == "ngram":
+            return NgramDrafter(1, 3)
+        return ModelDrafter(_fake().load(ir, "fake:1", "fp32", BUDGET), healthy.vocab_size)
+
+    expected = Engine(healthy, drafter(), k=4).generate_ids(prompt, new, sampling=sampling)
+    switched = 0
+    for after in (0, 1, 2, 5, 9):  # 0: the prefill itself fails
+        failing = _fake(after).load(ir, "fake:0", "fp32", BUDGET)
+        fallback = RankedFallback(targets=[("fake:1", lambda: _fake().load(ir, "fake:1", "fp32", BUDGET))])
+        engine = Engine(failing, drafter(), k=4, fallback=fallback)
+        got = engine.generate_ids(prompt, new, sampling=sampling)
+        assert got.token_ids == expected.token_ids, f"failure after {after} calls changed the output"
+        if got.stats.events:
+            switched += 1
+            assert engine.target.device.device == "fake:1"
+            assert any("target moved to fake:fake:1" in e for e in got.stats.events), got.stats.events
+    assert switched >= 4  # most failure points fall inside the run
+
+
+@pytest.mark.parametrize("kind", ["runtime_error", "backend_error", "hang"])
+def test_drafter_failure_keeps_the_output(ir, kind):
+    prompt, new = _prompt(2), 24
+    target = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    expected = Engine(target, None).generate_ids(prompt, new, target_only=True).token_ids
+    for after in (0, 3, 7):
+        draft = _fake(after, kind).load(ir, "fake:0", "fp32", BUDGET)
+        # Alone: drafting stops, the target carries on.
+        alone = Engine(target, ModelDrafter(draft, target.vocab_size), k=3).generate_ids(prompt, new)
+        assert alone.token_ids == expected and any("drafter model failed" in e for e in alone.stats.events)
+        # With a replacement: an n-gram drafter takes over from a clean sync.
+        draft = _fake(after, kind).load(ir, "fake:0", "fp32", BUDGET)
+        engine = Engine(target, ModelDrafter(draft, target.vocab_size), k=3,
+                        fallback=RankedFallback(drafters=[("ngram", lambda: NgramDrafter(1, 3))]))
+        replaced = engine.generate_ids(prompt, new)
+        assert replaced.token_ids == expected
+        assert engine.drafter.name == "ngram" and replaced.stats.accepted > 0
+
+
+def test_no_replacement_raises_with_the_output_so_far(ir):
+    prompt = _prompt(3)
+    healthy = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    full = Engine(healthy, None).generate_ids(prompt, 30).token_ids
+    failing = _fake(6).load(ir, "fake:0", "fp32", BUDGET)
+    with pytest.raises(GenerationError, match="no other device can take it") as info:
+        Engine(failing, NgramDrafter(1, 3), k=3).generate_ids(prompt, 30)
+    partial = info.value.partial
+    assert 0 < len(partial.token_ids) < 30
+    assert partial.token_ids == full[:len(partial.token_ids)]  # nothing lost, nothing corrupted
+    assert partial.stats.new_tokens == len(partial.token_ids)
+
+
+def _env(monkeypatch, fail_after: int | None):
+    devices = [{"device": "fake:0", "description": "fast, fails",
+                "costs": {"decode_per_token_s": 0.001, "verify_base_s": 0.001, "prefill_per_token_s": 1e-5},
+                **({"failure": {"after_calls": fail_after, "kind": "runtime_error"}} if fail_after else {})},
+               {"device": "fake:1", "description": "slower",
+                "costs": {"decode_per_token_s": 0.004, "verify_base_s": 0.004, "prefill_per_token_s": 1e-5}}]
+    monkeypatch.setenv(ENV, json.dumps({"simulate_time": True, "devices": devices}))
+
+
+def test_auto_placement_replans_when_its_device_fails(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """placement: auto picks the faster fake device; when it fails mid-run the plan
+    moves the target to the next device, and the text is what an undisturbed run gives."""
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text(f"placement: auto\ntarget: {{model: {tiny_model_dir('llama')}, backend: fake}}\n"
+                   "drafter: {kind: ngram, k: 3}\ngeneration: {max_new_tokens: 20}\n"
+                   "auto: {quick: true, backends: [fake], precisions: [fp32]}\nmemory: {kv_budget: 4MiB}\n")
+    args = ["generate", "--config", str(cfg), "--prompt", "a b c a b c a b", "--no-chat-template", "--json"]
+    _env(monkeypatch, None)
+    assert main(args + ["--explain"]) == 0
+    out, err = capsys.readouterr()
+    undisturbed = json.loads(out)
+    assert "fake:fake:0/fp32" in err.splitlines()[0]  # the plan chose the fast device
+    _env(monkeypatch, 4)
+    assert main(args) == 0
+    out, _ = capsys.readouterr()
+    disturbed = json.loads(out)
+    assert disturbed["token_ids"] == undisturbed["token_ids"]
+    assert any("fake:fake:0 failed" in e for e in disturbed["stats"]["events"])
+    assert any("target moved to fake:fake:1" in e for e in disturbed["stats"]["events"])
+
+
+def test_cli_prints_partial_output_before_the_error(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    cfg = tmp_path / "manual.yaml"
+    cfg.write_text(f"target: {{model: {tiny_model_dir('llama')}, backend: fake, device: 'fake:0'}}\n"
+                   "drafter: {kind: none}\ngeneration: {max_new_tokens: 20}\nmemory: {kv_budget: 4MiB}\n")
+    _env(monkeypatch, 5)
+    code = main(["generate", "--config", str(cfg), "--prompt", "a b c", "--no-chat-template", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "no other device can take it" in err
+    partial = json.loads(out)
+    assert 0 < len(partial["token_ids"]) < 20 and "error" in partial
