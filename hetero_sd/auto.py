@@ -14,7 +14,8 @@ from pathlib import Path
 from hetero_sd.backends.registry import Registry
 from hetero_sd.config import Config
 from hetero_sd.errors import BackendError
-from hetero_sd.scheduler import Constraints, FixedDraftLength, Placement, Workload, replan
+from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload, replan,
+                                 replan_if_drifted)
 
 
 def _pinned(section, registry: Registry) -> Placement | None:
@@ -47,8 +48,36 @@ class PlanFallback:
     best remaining candidate takes the role (the target stays put when only
     the drafter failed, so the output stays exact to the same numerics)."""
 
+    CHECK_EVERY = 32  # rounds between drift checks
+
     def __init__(self, plan, load_target, make_drafter):
         self.plan, self._load_target, self._make_drafter = plan, load_target, make_drafter
+        self.tracker, self._rounds = AcceptanceTracker(), 0
+        self.drafter_label = self._spec_label(plan)
+
+    @staticmethod
+    def _spec_label(plan) -> str | None:
+        spec = plan.best if plan.best.k > 0 else plan.speculative_for(plan.best.target)
+        return None if spec is None else spec.drafter_label
+
+    def on_round(self, drafted: int, accepted: int):
+        """Fed every round. When the acceptance seen leaves the plan's estimate
+        (scheduler.replan_if_drifted), plan again with it; a new drafter if
+        the new plan drafts differently, else None. The target stays put."""
+        self.tracker.observe(drafted, accepted)
+        self._rounds += 1
+        if self._rounds % self.CHECK_EVERY:
+            return None
+        new = replan_if_drifted(self.plan, self.tracker)
+        if new is None:
+            return None
+        self.plan, self.tracker = new, AcceptanceTracker()
+        label = self._spec_label(new)
+        if label == self.drafter_label:
+            return None
+        self.drafter_label = label
+        spec = new.speculative_for(new.best.target)
+        return None if spec is None else self._make_drafter(spec)
 
     def next_drafter(self, failed, error):
         runner = getattr(failed, "runner", None)

@@ -235,6 +235,23 @@ class _Run:
             self.engine.drafter = replacement
         self.stats.events.append(f"drafting continues with {replacement.name if replacement else 'none'}")
 
+    def _replan(self, drafted: int, accepted: int) -> None:
+        """Let the plan (placement: auto) swap the drafter when acceptance drifted."""
+        on_round = getattr(self.engine.fallback, "on_round", None)
+        replacement = on_round(drafted, accepted) if on_round is not None and drafted else None
+        if replacement is None or self.drafter is None:
+            return
+        old = self.drafter
+        try:
+            replacement.begin(self.capacity, self.sampler)
+        except Exception as exc:
+            self.stats.events.append(f"re-plan to {replacement.name} failed at start: {describe(exc)}")
+            return
+        old.reset()
+        self.drafter = self.engine.drafter = replacement
+        self.synced = 0
+        self.stats.events.append(f"acceptance drifted: drafter {old.name} -> {replacement.name}")
+
     # ---------------------------------------------------------------- rounds
     def loop(self) -> None:
         stopper, stats, policy = self.stopper, self.stats, self.engine.policy
@@ -263,6 +280,7 @@ class _Run:
                 clean = len(stats.events) == events
                 policy.observe(len(drafts), result.accepted, draft_s=draft_s if clean else None,
                                verify_s=verify_s if clean else None)
+                self._replan(len(drafts), result.accepted)
             if self._commit(result.tokens):
                 return
 

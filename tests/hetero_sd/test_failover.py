@@ -139,3 +139,61 @@ def test_cli_prints_partial_output_before_the_error(tiny_model_dir, tmp_path, mo
     assert code == 2 and "no other device can take it" in err
     partial = json.loads(out)
     assert 0 < len(partial["token_ids"]) < 20 and "error" in partial
+
+
+# ------------------------------------------------------------------ acceptance drift
+def _drift_plan(alpha_ngram: float):
+    from hetero_sd.scheduler import CostCurve, DeviceProfile, DraftOption, Placement, Problem, plan
+
+    target = DeviceProfile("t", Placement("torch", "cpu", "fp32"), CostCurve(((1, 1e-3), (128, 0.05))), 0.01,
+                           CostCurve(((1, 0.01), (2, 0.011), (9, 0.02))))
+    draft = DeviceProfile("d", Placement("onnxruntime", "cpu", "int4"), CostCurve(((1, 1e-4), (128, 0.01))),
+                          0.002, CostCurve(((1, 0.002),)))
+    return plan(Problem((target,), (DraftOption("ngram", alpha_ngram), DraftOption("model", 0.6, draft)), 8))
+
+
+def test_drift_replans_the_drafter_and_keeps_the_target():
+    from hetero_sd.auto import PlanFallback
+
+    made = []
+    fb = PlanFallback(_drift_plan(0.95), lambda p: None, lambda cand: made.append(cand) or cand.drafter_label)
+    assert fb.drafter_label == "ngram"  # an optimistic n-gram estimate wins at first
+    swaps = [fb.on_round(4, 4) for _ in range(64)]  # acceptance as estimated: no change
+    assert swaps == [None] * 64 and not made
+    for rounds in range(1, 65):  # then nothing is accepted: within two checks the plan moves
+        swap = fb.on_round(4, 0)
+        if swap is not None:
+            break
+    assert swap == "model@onnxruntime:cpu/int4" == fb.drafter_label and made
+    assert str(fb.plan.best.target) == "torch:cpu/fp32"  # the target stays put
+
+
+class _SwapAt:
+    """A plan stand-in that asks for a new drafter at one round."""
+
+    def __init__(self, at, make):
+        self.at, self.make, self.rounds = at, make, 0
+
+    def next_drafter(self, failed, error):
+        return None
+
+    def next_target(self, failed, error):
+        return None
+
+    def on_round(self, drafted, accepted):
+        self.rounds += 1
+        return self.make() if self.rounds == self.at else None
+
+
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_engine_swaps_drafter_on_replan_token_identically(ir, at):
+    prompt, new = _prompt(4), 30
+    target = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    expected = Engine(target, None).generate_ids(prompt, new, target_only=True).token_ids
+    first = ModelDrafter(_fake().load(ir, "fake:0", "fp32", BUDGET), target.vocab_size)
+    second = ModelDrafter(_fake().load(ir, "fake:1", "fp32", BUDGET), target.vocab_size)
+    engine = Engine(target, first, k=3, fallback=_SwapAt(at, lambda: second))
+    got = engine.generate_ids(prompt, new)
+    assert got.token_ids == expected
+    assert any("acceptance drifted: drafter model -> model" in e for e in got.stats.events)
+    assert engine.drafter is second and got.stats.accepted > 0
