@@ -28,14 +28,6 @@ class FixedDraftLength:
         if not 1 <= self.k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k must be in 1..{MAX_DRAFT_TOKENS}, got {self.k}")
 
-    def _explore_k(self, k: int) -> int:
-        """The k nearest to the chosen one (smaller first) whose verify or draft
-        cost is still unseen, 0 included (a plain decode is the baseline every
-        k is compared with); k itself when every k has been seen."""
-        unseen = [j for j in range(0, self.k_max + 1)
-                  if not self._verify.seen(j + 1) or (j > 0 and not self._draft.seen(j))]
-        return min(unseen, key=lambda j: (abs(j - k), j)) if unseen else k
-
     def next_k(self, remaining: int) -> int:
         return max(0, min(self.k, remaining))
 

@@ -91,6 +91,11 @@ class RunResult:
     lossless_settings: bool = True  # run with settings meant to be exact (GenAI defaults are not)
     load_s: float = 0.0
     samples: list[Sample] = field(default_factory=list)
+    # The run this one's speedups divide by (None: the bench's baseline). Our speculative
+    # runs each get a target-only run interleaved with them on the same engine, prompt by
+    # prompt, so their ratio never compares generations made minutes apart on a noisy host.
+    baseline: str | None = None
+    hidden: bool = False  # a paired baseline: in the JSON results, not in the tables
 
 
 class Progress:

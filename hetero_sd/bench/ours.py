@@ -49,8 +49,10 @@ def _placement(cfg: Config) -> tuple:
 
 
 def planned_runs(configs: list[Config]) -> int:
-    """How many runs run_ours makes: a target-only per distinct target, one per drafter."""
-    return len({_placement(c) for c in configs}) + sum(c.drafter.kind != "none" for c in configs)
+    """How many runs run_ours makes: one per drafter, each with a target-only beside it
+    (the first of a placement is its public baseline, later ones are paired baselines)."""
+    with_drafter = sum(c.drafter.kind != "none" for c in configs)
+    return with_drafter * 2 + len({_placement(c) for c in configs if c.drafter.kind == "none"})
 
 
 def _drafter_label(cfg: Config) -> str:
@@ -88,7 +90,7 @@ def run_ours(configs: list[Config], work: Workload, progress: Progress) -> tuple
         name = config_name(cfg, taken)
         taken.add(name)
         place = _placement(cfg)
-        planned = (place not in placements) + (cfg.drafter.kind != "none")
+        planned = 2 if cfg.drafter.kind != "none" else int(place not in placements)
         try:
             engine, load_s = _build(cfg)
             todo = _plan(cfg, engine, name, place, placements, load_s)
@@ -117,9 +119,14 @@ def _plan(cfg: Config, engine, name: str, place: tuple, placements: dict[tuple, 
         todo.append((RunResult(base, "ours", f"our target-only greedy on {where}",
                                {"config": cfg.source, "target": where}, own_greedy=base, load_s=load_s), True))
     if cfg.drafter.kind != "none" and engine.drafter is not None:
+        paired = None
+        if not todo:  # the placement's target-only ran with an earlier config: pair a fresh one
+            paired = f"{name} / paired target-only"
+            todo.append((RunResult(paired, "ours", f"target-only interleaved with {name}", {"target": where},
+                                   own_greedy=placements[place], load_s=load_s, hidden=True), True))
         todo.append((RunResult(name, "ours", f"{Path(cfg.source).name}: {_drafter_label(cfg)}, target {where}",
                                {"config": cfg.source, "target": where, "drafter": cfg.drafter.model_dump()},
-                               own_greedy=placements[place], load_s=load_s), False))
+                               own_greedy=placements[place], load_s=load_s, baseline=paired), False))
     return todo
 
 

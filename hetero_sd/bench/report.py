@@ -41,8 +41,9 @@ def compare(runs: list[RunResult], baseline: str) -> list[dict]:
     rows = []
     for run in runs:
         own = by_name.get(run.own_greedy or "", {})
+        mine = by_name[run.baseline] if run.baseline else base
         for s in run.samples:
-            b = base[s.id]
+            b = mine[s.id]
             row = s.to_dict() | {"run": run.name}
             row["speedup"] = s.tok_s / b.tok_s if b.tok_s else None
             row["decode_speedup"] = (s.decode_tok_s / b.decode_tok_s

@@ -115,14 +115,16 @@ def run_bench(opts: BenchOptions) -> dict:
     finally:
         progress.close()
     rows = compare(runs, TARGET_ONLY)
-    summary = summarize(runs, rows)
+    shown = [r for r in runs if not r.hidden]
+    summary = summarize(shown, [row for row in rows if row["run"] in {r.name for r in shown}])
     return {"meta": _meta(opts, model_path, prompts, paths, spec), "runs": [_run_info(r) for r in runs],
             "skipped": skipped, "summary": summary, "headline": headline(summary), "results": rows}
 
 
 def _run_info(r: RunResult) -> dict:
     return {"name": r.name, "family": r.family, "label": r.label, "settings": r.settings,
-            "own_greedy": r.own_greedy, "lossless_settings": r.lossless_settings, "load_s": r.load_s}
+            "own_greedy": r.own_greedy, "lossless_settings": r.lossless_settings, "load_s": r.load_s,
+            "baseline": r.baseline, "hidden": r.hidden}
 
 
 def _meta(opts: BenchOptions, model_path: Path, prompts, paths: list[str], spec: dict) -> dict:

@@ -199,7 +199,7 @@ def test_malformed_prompts_file_is_a_clear_error(tmp_path, capsys, content, mess
     path.write_text(content)
     assert main(["--prompts", str(path), "--peers", "none", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hetero-sd bench: error: ")
+    assert err.startswith("hetero-sd: error: ")
     assert re.search(message, err), err
     assert not (tmp_path / "out").exists()  # nothing ran, nothing written
 

@@ -91,3 +91,19 @@ def test_workload_strips_only_a_trailing_eos_when_stopping():
     assert stop.strip_eos([5, 2, 6]) == ([5, 2, 6], "length")
     ignore = Workload([], {}, [], 8, "ignore", (2,))
     assert ignore.strip_eos([5, 6, 2]) == ([5, 6, 2], "length") and ignore.stop_ids == ()
+
+
+def test_paired_baseline_divides_its_own_run():
+    """A later configuration's ratio uses the target-only interleaved with it, not the first one."""
+    paired = _run("ours k2 / paired target-only", "ours", {"g1": ("grounded", [1, 2, 3, 4], 2.0, 0.1, None, None),
+                                                           "g2": ("grounded", [5, 6, 7, 8], 4.0, 0.2, None, None),
+                                                           "o1": ("open", [9, 9, 9, 9], 2.0, 0.1, None, None)})
+    paired.hidden = True
+    later = _run("ours k2", "ours", {"g1": ("grounded", [1, 2, 3, 4], 1.0, 0.1, 6, 3),
+                                     "g2": ("grounded", [5, 6, 7, 8], 1.0, 0.2, 4, 4),
+                                     "o1": ("open", [9, 9, 9, 9], 2.0, 0.1, 2, 0)}, own="ours target-only")
+    later.baseline = paired.name
+    rows = {(r["run"], r["id"]): r for r in compare([BASE, paired, later], "ours target-only")}
+    assert rows[("ours k2", "g1")]["speedup"] == pytest.approx(2.0)  # 4/1.0 over 4/2.0, not over 4/1.0
+    assert rows[("ours k2", "g2")]["speedup"] == pytest.approx(4.0)
+    assert rows[("ours k2", "g1")]["identical_to_target_only"] is True  # identity still vs the baseline
