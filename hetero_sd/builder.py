@@ -56,10 +56,12 @@ def _check_same_tokenizer(target_tok, draft_ir: ModelIR) -> None:
                           "different tokenizer; draft and target must share a tokenizer")
 
 
-def _finish(cfg: Config, target: Runner, target_ir: ModelIR, drafter, draft_ir: ModelIR | None, **engine_kw):
+def _finish(cfg: Config, target: Runner, target_ir: ModelIR, drafter, draft_ir: ModelIR | list | None,
+            **engine_kw):
     tokenizer = target_ir.load_tokenizer()
-    if draft_ir is not None and draft_ir.source.resolve() != target_ir.source.resolve():
-        _check_same_tokenizer(tokenizer, draft_ir)
+    for ir in draft_ir if isinstance(draft_ir, list) else [draft_ir]:
+        if ir is not None and ir.source.resolve() != target_ir.source.resolve():
+            _check_same_tokenizer(tokenizer, ir)
     eos = set(target_ir.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -78,10 +80,24 @@ def build_engine(cfg: Config, progress: bool = False) -> Engine:
     check_placement(registry, cfg.target, "target")
     if cfg.drafter.kind == "model":
         check_placement(registry, cfg.drafter, "draft model")
+    for i, stage in enumerate(cfg.drafter.stages):
+        check_placement(registry, stage, f"drafter.stages.{i}")
     target_ir = load_model_ir(resolve_model(cfg.target.model, base))
+    d = cfg.drafter
+    if d.stages or d.process == "worker":
+        from hetero_sd.drafter_tree import build_drafter_tree
+
+        def loader(place, ir, role):
+            return load_runner(registry, place, ir, cfg.memory.kv_budget, role, progress)
+
+        def load_target():
+            return load_runner(registry, cfg.target, target_ir, cfg.memory.kv_budget, "target", progress)
+
+        target, drafter, draft_irs = build_drafter_tree(cfg, base, target_ir, load_target, loader)
+        policy = AdaptiveDraftLength(d.k_max) if d.k == "auto" else None
+        return _finish(cfg, target, target_ir, drafter, draft_irs, policy=policy)
     target = load_runner(registry, cfg.target, target_ir, cfg.memory.kv_budget, "target", progress)
     drafter = draft_ir = None
-    d = cfg.drafter
     if d.kind == "ngram":
         drafter = NgramDrafter(d.min_ngram, d.max_ngram)
     elif d.kind == "model":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -32,6 +33,32 @@ class ModelPlacement(_Section):
     precision: str = "default"  # "default" = the device's default precision
 
 
+# Where a drafter (or a cascade stage) runs: `process: worker` is its own process,
+# started and supervised by the engine (hetero_sd/workers.py), reached over `transport`.
+Process = Literal["inproc", "worker"]
+Transport = Literal["shm", "tcp", "pipe"]
+Mode = Literal["sync", "async"]  # async: the worker drafts ahead while the target verifies
+Seconds = Annotated[float, Field(gt=0)]
+WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads")  # need process: worker
+
+
+class StageConfig(_Section):
+    """One intermediate model of a cascade: it verifies the stage inside it and
+    proposes its own greedy tokens to the stage outside it (or the target)."""
+
+    model: str | None = None  # defaults to the target's model
+    backend: str = "torch"
+    device: str = "cpu"
+    precision: str = "default"
+    k: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | None = None  # inner drafts per stage verify
+    process: Process = "inproc"
+    transport: Transport = "shm"
+    mode: Mode = "sync"
+    timeout_s: Seconds = 5.0
+    start_timeout_s: Seconds = 300.0
+    threads: Annotated[int, Field(ge=1)] | None = None
+
+
 class DrafterConfig(_Section):
     kind: Literal["ngram", "model", "none", "auto"] = "ngram"  # auto: the splitter picks (placement: auto)
     # A fixed draft length, or "auto": adapt it per round to acceptance and measured costs.
@@ -43,6 +70,16 @@ class DrafterConfig(_Section):
     backend: str = "torch"
     device: str = "cpu"
     precision: str = "default"
+    # In its own process? (worker: every key below applies; stages inside it share the worker.)
+    process: Process = "inproc"
+    transport: Transport = "shm"
+    mode: Mode = "sync"
+    timeout_s: Seconds = 5.0  # a reply slower than this means a hung worker (it is killed)
+    start_timeout_s: Seconds = 300.0  # the same for its start and first draft (model load)
+    threads: Annotated[int, Field(ge=1)] | None = None  # the worker's compute threads
+    # A cascade: intermediate models between this drafter and the target, outermost
+    # (closest to the target) first. Each verifies the one after it.
+    stages: list[StageConfig] = Field(default_factory=list)
 
 
 class GenerationConfig(_Section):
@@ -135,10 +172,15 @@ def _format(exc: ValidationError, source: str) -> str:
 def _section_of(loc) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
     for part in loc:
+        if isinstance(part, int):  # an item of a list of sections (drafter.stages.0)
+            continue
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        annotation = field.annotation if field is not None else None
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
+        if not isinstance(annotation, type) or not issubclass(annotation, BaseModel):
             return None
-        model = field.annotation
+        model = annotation
     return model
 
 
@@ -190,4 +232,29 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
         raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
                           f"drafter.max_ngram ({cfg.drafter.max_ngram})")
+    _check_workers(cfg, path)
     return cfg
+
+
+def _check_workers(cfg: Config, path: Path) -> None:
+    """Worker and cascade keys that cannot work together, named by key path."""
+    d = cfg.drafter
+    levels = [("drafter", d)] + [(f"drafter.stages.{i}", s) for i, s in enumerate(d.stages)]
+    if (d.process == "worker" or d.stages) and (cfg.placement == "auto" or d.kind not in ("ngram", "model")):
+        key = "drafter.stages" if d.stages else "drafter.process"
+        raise ConfigError(f"{path}: {key}: workers and cascades need drafter.kind ngram or model with "
+                          f"placement: manual (got kind {d.kind!r}, placement {cfg.placement!r})")
+    for key, level in levels:
+        if level.process == "inproc":
+            for name in WORKER_KEYS:
+                if name in level.model_fields_set:
+                    raise ConfigError(f"{path}: {key}.{name} applies to a drafter in its own process; "
+                                      f"add {key}.process: worker (or remove {name})")
+    # A worker stage runs everything inside it (later stages, the drafter) in its own process.
+    # levels[0] is innermost, then stages.0 is outermost: order the workers by depth.
+    depth = [0] + [len(d.stages) - i for i in range(len(d.stages))]
+    workers = sorted((depth[i], key) for i, (key, level) in enumerate(levels) if level.process == "worker")
+    if len(workers) > 1:
+        inner, outer = workers[0][1], workers[-1][1]
+        raise ConfigError(f"{path}: {inner}.process: worker inside the worker of {outer}, which already "
+                          f"runs it; set {inner}.process: inproc (one worker per cascade)")

@@ -26,6 +26,8 @@ def _recv_exact(sock: socket.socket, n: int, timeout: float | None) -> bytes:
     buf, got = bytearray(n), 0
     view = memoryview(buf)
     deadline = None if timeout is None else time.monotonic() + timeout
+    if deadline is None:
+        sock.settimeout(None)  # a previous zero-timeout poll left the socket non-blocking
     while got < n:
         if deadline is not None:
             sock.settimeout(max(deadline - time.monotonic(), 0.0))

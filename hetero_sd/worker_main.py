@@ -1,0 +1,222 @@
+"""The worker process: build the drafter once, then answer requests.
+
+`main(spec, address, options)` is the process target RemoteDrafter starts
+(spawn or forkserver). It connects first, so the engine sees a death during
+model load at once (a pid check on shared memory, EOF on a socket), then
+loads, then loops: receive a request, answer it (worker_wire.py says what
+is said). It does not use transport.serve because asynchronous drafting works
+between requests: with nothing to answer, it polls the channel with a zero
+timeout between draft steps, and blocks only once it has drafted far enough.
+
+Asynchronous drafting (`mode: async`, greedy requests only). After answering
+with drafts d1..dk for committed context C, the worker assumes all k will be
+accepted and the bonus will be its own next greedy token, and keeps extending
+that guessed path G = C + d1..dk + b + ... up to `lookahead` tokens beyond the
+reply. The next request says what was really committed (C'): if C' is a
+prefix of G the reply comes from G at once (AHEAD; PARTIAL when G was too
+short and the rest is drafted now), otherwise the drafter rolls back to the
+common prefix (ModelDrafter keeps the longest common prefix of its cache) and
+drafts fresh (FRESH). Under sampling the worker drafts on request only
+(draws must follow the engine's order to be reproducible).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+
+from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.transport import PeerClosed, TransportTimeout, connect
+from hetero_sd.worker_specs import DrafterSpec, ModelSpec, WorkerOptions, build_local
+from hetero_sd.worker_wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, PARTIAL, READY, RESET, Control,
+                                   Reply, encode_reply, error_reply, sampler_from_words)
+
+
+IDLE_WAIT_S = 3600.0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class Lookahead:
+    """One sequence's guessed path (module docstring, async)."""
+
+    def __init__(self, drafter, capacity: int, lookahead: int | None, step: int | None):
+        self.drafter, self.capacity, self.lookahead, self.step = drafter, capacity, lookahead, step
+        self.known: list[int] = []  # the committed context, as the engine last described it
+        self.guess: list[int] = []  # known + tokens drafted beyond it
+        self.fed = 0  # the drafter's context is guess[:fed]
+        self.bound = 0  # draft ahead while len(guess) < bound
+        self.seq_id = 0
+
+    def answer(self, req: DraftRequest) -> tuple[list[int], int]:
+        if req.base_len > len(self.known):
+            raise ValueError(f"draft request base_len {req.base_len} beyond known {len(self.known)} tokens")
+        ctx = self.known[:req.base_len] + list(req.new_tokens)
+        self.known, self.seq_id, n = ctx, req.seq_id, len(ctx)
+        if self.guess[:n] == ctx:  # the engine committed what we guessed
+            have = len(self.guess) - n
+            source = AHEAD if have >= req.k else PARTIAL if have else FRESH
+            if have < req.k:
+                self.fill(n + req.k)
+        else:  # a rejection: roll back to what was committed and draft from there
+            base = _common(self.guess[:self.fed], ctx)
+            drafts = self.drafter.draft(DraftRequest(req.seq_id, base, req.k, ctx[base:])).tokens[:req.k]
+            self.guess, self.fed, source = ctx + list(drafts), n, FRESH
+        # Next round if every draft is kept: the bonus and k more drafts.
+        ahead = req.k + 1 if self.lookahead is None else self.lookahead
+        self.bound = min(n + req.k + ahead, self.capacity)
+        return self.guess[n:n + req.k], source
+
+    def extend(self, upto: int) -> bool:
+        """Draft one step further along the guessed path (a single token for a
+        model, so requests are noticed between tokens); False when none was added."""
+        want = min(upto, self.capacity) - len(self.guess)
+        k = want if self.step is None else min(self.step, want)
+        if k <= 0:
+            return False
+        proposal = self.drafter.draft(DraftRequest(self.seq_id, self.fed, k, self.guess[self.fed:]))
+        self.fed = len(self.guess)
+        self.guess.extend(proposal.tokens[:k])
+        if not proposal.tokens:  # nothing to propose (an n-gram miss): stop guessing
+            self.bound = len(self.guess)
+            return False
+        return True
+
+    def fill(self, upto: int) -> None:
+        while len(self.guess) < upto and self.extend(upto):
+            pass
+
+    @property
+    def pending(self) -> bool:
+        return len(self.guess) < self.bound
+
+
+class Handler:
+    """Turns request bytes into reply bytes for one drafter."""
+
+    def __init__(self, channel, drafter, load_error: BaseException | None, options: WorkerOptions,
+                 spec: DrafterSpec):
+        self.channel, self.drafter, self.load_error, self.options = channel, drafter, load_error, options
+        self.step = 1 if isinstance(spec, ModelSpec) else None  # poll between single model steps
+        self.ahead: Lookahead | None = None
+        self.ahead_s = 0.0  # seconds drafted ahead since the last reply
+        self.drafts = 0
+
+    def __call__(self, msg: bytes) -> bytes:
+        t0 = time.perf_counter()
+        try:
+            kind = struct.unpack_from("<i", msg)[0]
+            if kind == Control.KIND:
+                reply = self._control(Control.unpack(msg))
+            elif kind == DraftRequest.KIND:
+                reply = self._draft(DraftRequest.unpack(msg))
+            else:
+                raise ValueError(f"record kind {kind} is neither a DraftRequest nor a Control")
+        except Exception as exc:
+            reply = error_reply(DRAFT, exc)
+        if isinstance(reply, bytes):  # the fault hook's malformed reply
+            return reply
+        reply.compute_s, reply.ahead_s, self.ahead_s = time.perf_counter() - t0, self.ahead_s, 0.0
+        return encode_reply(self.channel, reply)
+
+    def _control(self, ctl: Control) -> Reply:
+        if self.load_error is not None:  # every request learns why the worker cannot draft
+            return error_reply(READY if ctl.op == HELLO else ACK, self.load_error)
+        if ctl.op == HELLO:
+            runner = getattr(self.drafter, "runner", None)
+            context = getattr(runner, "max_context", 0)
+            return Reply(OK, READY, Control(READY, self.options.target_vocab, [context]).pack())
+        if ctl.op == BEGIN:
+            sampler = sampler_from_words(ctl.words)
+            self.drafter.begin(ctl.arg, sampler)
+            greedy = sampler is None and self.options.mode == "async"
+            self.ahead = Lookahead(self.drafter, ctl.arg, self.options.lookahead, self.step) if greedy else None
+            return Reply(OK, ACK)
+        if ctl.op == RESET:
+            self.drafter.reset()
+            self.ahead = None
+            return Reply(OK, ACK)
+        raise ValueError(f"unknown control op {ctl.op}")
+
+    def _draft(self, req: DraftRequest) -> Reply | bytes:
+        if self.load_error is not None:
+            return error_reply(DRAFT, self.load_error)
+        fault = self.options.fault
+        self.drafts += 1
+        if fault is not None and self.drafts > fault.after:
+            if fault.kind == "exit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "hang":
+                time.sleep(3600)
+            if fault.kind == "malformed":
+                return b"\x01\x00\x00\x00garbage"
+            raise RuntimeError(f"injected worker failure after {fault.after} drafts")
+        if self.ahead is not None:
+            tokens, source = self.ahead.answer(req)
+            return Reply(OK, DRAFT, DraftResult(req.seq_id, tokens).pack(), source)
+        result = self.drafter.draft(req)
+        return Reply(OK, DRAFT, DraftResult(req.seq_id, result.tokens).pack(), FRESH, probs=result.probs)
+
+    def work_ahead(self) -> None:
+        """One step of drafting ahead (between requests)."""
+        t0 = time.perf_counter()
+        try:
+            self.ahead.extend(self.ahead.bound)
+        except Exception:  # a failing guess costs nothing: the next request drafts fresh
+            self.ahead.bound = 0
+        self.ahead_s += time.perf_counter() - t0
+
+    @property
+    def has_work(self) -> bool:
+        return self.ahead is not None and self.ahead.pending
+
+
+def _setup(options: WorkerOptions) -> None:
+    for key in [k for k in os.environ if k.startswith("HETERO_SD_")]:
+        if key not in options.env:
+            del os.environ[key]
+    os.environ.update(options.env)
+    if options.threads:
+        os.environ["OMP_NUM_THREADS"] = str(options.threads)
+        import torch
+
+        torch.set_num_threads(options.threads)
+    from hetero_sd.transport.serve import pin_to_cpu
+
+    pin_to_cpu(options.cpu)
+
+
+def main(spec: DrafterSpec, address, options: WorkerOptions, in_process: bool = False) -> None:
+    """Worker body (a process target; `in_process`: a thread of the engine's process)."""
+    if not in_process:
+        _setup(options)
+    channel = connect(address)
+    try:
+        try:
+            drafter, error = build_local(spec, options.target_vocab), None
+        except Exception as exc:
+            drafter, error = None, exc
+        handler = Handler(channel, drafter, error, options, spec)
+        while True:
+            try:
+                # A bounded idle wait, not None: after a zero-timeout poll a TCP socket
+                # stays non-blocking when recv is given no timeout.
+                msg = channel.recv(0 if handler.has_work else IDLE_WAIT_S)
+            except TransportTimeout:
+                if handler.has_work:
+                    handler.work_ahead()
+                continue
+            channel.send(handler(msg), timeout=30.0)
+    except PeerClosed:
+        pass  # the engine closed the channel (or died): nothing left to do
+    finally:
+        channel.close()
+
+
+__all__ = ["Handler", "Lookahead", "main"]

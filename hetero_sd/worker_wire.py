@@ -1,0 +1,167 @@
+"""What a RemoteDrafter and its worker say to each other over a transport.
+
+Engine -> worker: one packed work-IR record per message (no pickling):
+  DraftRequest (ir/work.py)   draft up to k tokens              reply: DRAFT
+  Control(HELLO)              are you loaded?                   reply: READY (vocab, max_context)
+  Control(BEGIN, capacity,    start a sequence; `words` carry    reply: ACK
+          words)              the sampling state (empty: greedy)
+  Control(RESET)              forget the sequence               reply: ACK
+Every request gets exactly one reply, in order, so the engine always knows
+which reply it is reading; anything else is a malformed reply.
+
+Worker -> engine: one frame (transport.pack_frame) per reply:
+  refs   the draft distributions' TensorRef when they travel through the shm arena
+  record Reply header | body | inline distributions (transports without an arena)
+The body of DRAFT is a packed DraftResult, of READY a Control, of an error
+"ErrorClass: message" in UTF-8.
+
+Sampling state: the request's draft random stream moves to the worker at
+BEGIN. `words` hold temperature, top_p, top_k and the draft generator's
+PCG64 state, so the worker draws exactly what an in-process drafter handed
+the same Sampler would draw.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetero_sd.ir.work import DraftResult, _Record
+from hetero_sd.sampling import Sampler, SamplingParams
+from hetero_sd.transport import CorruptRecord, pack_frame, unpack_frame
+
+HELLO, BEGIN, RESET, READY, ACK, DRAFT = 1, 2, 3, 4, 5, 6  # Control ops / what a reply answers
+OK, ERROR = 0, 1  # reply status
+FRESH, PARTIAL, AHEAD = 0, 1, 2  # async: drafted on request, partly or wholly pre-drafted
+
+
+@dataclass
+class Control(_Record):
+    """A control request (or the READY body): op, one argument, int32 words."""
+
+    KIND = 16
+    op: int
+    arg: int = 0
+    words: list[int] = field(default_factory=list)  # [n] int32
+
+
+# status, answers (op), source (FRESH/PARTIAL/AHEAD), body bytes, seconds computed for
+# this reply, seconds spent drafting ahead since the previous reply
+_HEADER = struct.Struct("<iiiIdd")
+
+
+@dataclass
+class Reply:
+    status: int
+    answers: int
+    body: bytes = b""
+    source: int = FRESH
+    compute_s: float = 0.0
+    ahead_s: float = 0.0
+    probs: np.ndarray | None = None  # [rows, vocab] float64 (DRAFT under sampling)
+    region: int | None = None  # the arena region `probs` is a view of (release it after use)
+
+
+def encode_reply(channel, reply: Reply) -> bytes:
+    """The frame for `reply`; its distributions go into the channel's arena
+    when it has one (shared memory), inline after the body otherwise."""
+    refs, inline = [], b""
+    if reply.probs is not None:
+        probs = np.ascontiguousarray(reply.probs, dtype=np.float64)
+        arena = channel.tx_arena
+        if arena is not None:
+            ref, view = arena.claim(timeout=30.0).alloc(probs.shape, np.float64)
+            view[...] = probs
+            refs = [ref]
+        else:
+            inline = probs.tobytes()
+    head = _HEADER.pack(reply.status, reply.answers, reply.source, len(reply.body), reply.compute_s,
+                        reply.ahead_s)
+    return pack_frame(head + reply.body + inline, refs)
+
+
+def error_reply(answers: int, exc: BaseException) -> Reply:
+    return Reply(ERROR, answers, f"{type(exc).__name__}: {exc}".encode()[:4000])
+
+
+def decode_reply(channel, frame: bytes, vocab: int) -> Reply:
+    """Parse a frame; raises CorruptRecord when it is not a well-formed reply.
+    Distributions come back as a read-only zero-copy view of the arena (shm)."""
+    try:
+        record, refs = unpack_frame(frame)
+        status, answers, source, n_body, compute_s, ahead_s = _HEADER.unpack_from(record, 0)
+    except struct.error as exc:
+        raise CorruptRecord(f"reply of {len(frame)} bytes is not a worker frame: {exc}") from None
+    body_end = _HEADER.size + n_body
+    if status not in (OK, ERROR) or source not in (FRESH, PARTIAL, AHEAD) or body_end > len(record):
+        raise CorruptRecord(f"reply header (status {status}, source {source}, body {n_body} bytes) "
+                            f"does not fit a {len(record)}-byte record")
+    reply = Reply(status, answers, bytes(record[_HEADER.size:body_end]), source, compute_s, ahead_s)
+    inline = record[body_end:]
+    if refs:
+        if len(refs) != 1 or channel.rx_arena is None or inline:
+            raise CorruptRecord(f"reply carries {len(refs)} tensor refs and {len(inline)} inline bytes")
+        reply.region = refs[0].region
+        reply.probs = channel.rx_arena.view(refs[0])
+    elif inline:
+        if len(inline) % (8 * vocab):
+            raise CorruptRecord(f"{len(inline)} inline bytes are not whole rows of {vocab} float64")
+        reply.probs = np.frombuffer(inline, dtype=np.float64).reshape(-1, vocab)
+    return reply
+
+
+def parse_draft(reply: Reply, seq_id: int, k: int, vocab: int) -> DraftResult:
+    """The DraftResult in a DRAFT reply, checked against the request."""
+    try:
+        result = DraftResult.unpack(reply.body)
+    except (ValueError, struct.error) as exc:
+        raise CorruptRecord(f"DRAFT reply body is not a DraftResult: {exc}") from None
+    if result.seq_id != seq_id or len(result.tokens) > k:
+        raise CorruptRecord(f"draft reply for sequence {result.seq_id} with {len(result.tokens)} tokens; "
+                            f"asked sequence {seq_id} for at most {k}")
+    if any(not 0 <= t < vocab for t in result.tokens):
+        raise CorruptRecord(f"draft reply holds token ids outside the vocabulary [0, {vocab}): {result.tokens}")
+    if reply.probs is not None:
+        if reply.probs.shape != (len(result.tokens), vocab):
+            raise CorruptRecord(f"draft distributions of shape {reply.probs.shape} for "
+                                f"{len(result.tokens)} tokens over {vocab}")
+        result.probs = reply.probs
+    return result
+
+
+# ----------------------------------------------------------------------------- sampling state
+_PARAMS = struct.Struct("<ddi")  # temperature, top_p, top_k
+_STATE = struct.Struct("<16s16siI")  # PCG64 state, increment, has_uint32, uinteger
+
+
+def sampling_words(sampler: Sampler | None) -> list[int]:
+    """BEGIN's words: the sampling parameters and the draft stream's state."""
+    if sampler is None:
+        return []
+    p, state = sampler.params, sampler.draft_rng.bit_generator.state
+    if state.get("bit_generator") != "PCG64":
+        raise ValueError(f"draft streams cross processes as PCG64 state; got {state.get('bit_generator')}")
+    raw = _PARAMS.pack(p.temperature, p.top_p, p.top_k) + _STATE.pack(
+        state["state"]["state"].to_bytes(16, "little"), state["state"]["inc"].to_bytes(16, "little"),
+        state["has_uint32"], state["uinteger"])
+    return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+def sampler_from_words(words: list[int]) -> Sampler | None:
+    """The worker's Sampler: same warp, the engine's draft stream where it left off."""
+    if not words:
+        return None
+    raw = np.asarray(words, dtype="<i4").tobytes()
+    if len(raw) != _PARAMS.size + _STATE.size:
+        raise CorruptRecord(f"BEGIN carries {len(raw)} bytes of sampling state, expected "
+                            f"{_PARAMS.size + _STATE.size}")
+    temperature, top_p, top_k = _PARAMS.unpack_from(raw, 0)
+    state, inc, has_uint32, uinteger = _STATE.unpack_from(raw, _PARAMS.size)
+    sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed=0))
+    bit_gen = np.random.PCG64()
+    bit_gen.state = {"bit_generator": "PCG64",
+                     "state": {"state": int.from_bytes(state, "little"), "inc": int.from_bytes(inc, "little")},
+                     "has_uint32": has_uint32, "uinteger": uinteger}
+    sampler.draft_rng = np.random.Generator(bit_gen)
+    return sampler
