@@ -15,10 +15,14 @@ import math
 
 
 class AcceptanceTracker:
-    """Discounted success/trial counts: every observed round, with drafts or
-    not, first multiplies the old counts by `decay` (1.0 = remember everything;
-    < 1 = evidence ages with rounds, so after a long stretch without drafts
-    the estimate is back near the prior and a probe can change it quickly)."""
+    """Discounted success/trial counts: every round with drafts first
+    multiplies the old counts by `decay` (1.0 = remember everything; < 1 =
+    evidence ages with newer evidence, so the estimate follows a text that
+    changes character). Rounds without drafts do not age it: with an n-gram
+    drafter that finds a match in one round out of ten, ageing by rounds would
+    leave the estimate at its prior, however often the few drafts failed.
+    A policy that switched speculation off calls age() each idle round, so
+    old evidence fades back to the prior and a probe can turn it on again."""
 
     def __init__(self, decay: float = 1.0):
         if not 0.0 < decay <= 1.0:
@@ -34,13 +38,17 @@ class AcceptanceTracker:
     def observe(self, drafted: int, accepted: int) -> None:
         if not 0 <= accepted <= drafted:
             raise ValueError(f"need 0 <= accepted <= drafted, got accepted={accepted}, drafted={drafted}")
-        self.successes *= self.decay
-        self.trials *= self.decay
         if drafted == 0:
             return  # no drafts, no evidence either way
+        self.age()
         self.successes += accepted
         self.trials += accepted + (1 if accepted < drafted else 0)
         self.rounds += 1
+
+    def age(self) -> None:
+        """One round's discount without evidence (speculation was off)."""
+        self.successes *= self.decay
+        self.trials *= self.decay
 
     def mean(self, prior_alpha: float = 0.5, prior_weight: float = 2.0) -> float:
         """Posterior mean of alpha under a Beta prior of that mean and weight."""

@@ -201,6 +201,8 @@ class AdaptiveDraftLength:
         asked = drafted if self._asked is None else max(self._asked, drafted)
         self._asked = None
         self._acceptance.observe(drafted, accepted)  # validates; a round without drafts is no evidence
+        if asked == 0:  # speculation off: let old evidence fade so a probe can turn it back on
+            self._acceptance.age()
         if asked > 0:  # how often the drafter finds anything (n-gram misses)
             self.hit_rate += self.hit_smoothing * ((1.0 if drafted else 0.0) - self.hit_rate)
             if draft_s is not None:

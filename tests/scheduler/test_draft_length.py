@@ -149,3 +149,14 @@ def test_adaptive_without_timings_uses_the_given_cost():
     cheap = run(AdaptiveDraftLength(16, cost=TRUE), lambda r: 0.8, 300, timings=False)[-100:]
     dear = run(AdaptiveDraftLength(16, cost=COSTLY), lambda r: 0.8, 300, timings=False)[-100:]
     assert sum(dear) < sum(cheap)
+
+
+def test_rare_matches_still_teach_acceptance():
+    """An n-gram drafter that matches one round in ten, and whose drafts mostly fail:
+    the estimate must follow those few drafts, not fade back to an optimistic prior
+    between them (rounds without drafts are no evidence, and no reason to forget)."""
+    flat = RoundCost(CostCurve(((1, 0.010), (17, 0.011))), CostCurve.affine(0.0, 1e-5))  # drafts almost free
+    policy = AdaptiveDraftLength(8, cost=flat, prior_alpha=0.7)
+    asked = run(policy, lambda r: 0.3, 600, hit=0.1, seed=3, truth=flat)
+    assert sum(k == 0 for k in asked[100:]) < 100  # drafting stays on (k = 0 only as exploration)
+    assert policy.alpha < 0.45  # near the true 0.3, not the prior 0.7
