@@ -110,3 +110,16 @@ def smollm2_gguf() -> Path:
     if len(files) != 1:
         pytest.fail(f"expected exactly one .gguf in {os.path.dirname(spec.origin)}, found {files}")
     return Path(files[0])
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One compute thread per process, for tests that run a worker process beside
+    this one: two OpenMP threads in each of two busy processes on a 2-core host
+    spin against each other (calls ~100x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -75,3 +75,38 @@ class TableRunner:
 
     def usage(self):
         raise NotImplementedError("not needed by the engine")
+
+
+def exact_joint(target: TableRunner, params, prompt: list[int], new: int) -> dict[tuple, float]:
+    """P(continuation) under `params` for every continuation of `new` tokens, by enumeration."""
+    import itertools
+
+    from hetero_sd.sampling import warp
+
+    out = {}
+    for cont in itertools.product(range(target.vocab_size), repeat=new):
+        prob, ctx = 1.0, list(prompt)
+        for t in cont:
+            prob *= warp(target.logits_for(ctx), params)[0, t]
+            ctx.append(t)
+        if prob > 0:
+            out[cont] = prob
+    return out
+
+
+def chi_square_p(counts: dict[tuple, int], expected_p: dict[tuple, float], n: int) -> float:
+    """p-value of emitted counts against exact probabilities; cells expected below 5 are pooled."""
+    from scipy.stats import chisquare
+
+    assert set(counts) <= set(expected_p), "emitted a continuation the target gives probability 0"
+    obs, exp, rest_obs, rest_exp = [], [], 0, 0.0
+    for cont, prob in expected_p.items():
+        if prob * n >= 5:
+            obs.append(counts.get(cont, 0))
+            exp.append(prob * n)
+        else:  # pool rare cells so the chi-square approximation holds
+            rest_obs, rest_exp = rest_obs + counts.get(cont, 0), rest_exp + prob * n
+    if rest_exp > 0:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    return float(chisquare(obs, exp).pvalue)

@@ -4,12 +4,11 @@ the stage inside it. Lossless at every depth, with stages in-process or in
 workers, greedy and sampled; a failing inner stage costs speed, not output."""
 from __future__ import annotations
 
-import itertools
 import os
 import random
 
 import pytest
-from scipy.stats import chisquare
+
 
 from hetero_sd.backends.torch_backend import TorchBackend
 from hetero_sd.builder import build_engine
@@ -19,25 +18,17 @@ from hetero_sd.drafters import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import BackendError, ConfigError
 from hetero_sd.ir import DraftRequest, load_model_ir
-from hetero_sd.sampling import SamplingParams, warp
+from hetero_sd.sampling import SamplingParams
 from hetero_sd.transport.segment import SHM_DIR
 from hetero_sd.worker_specs import CascadeSpec, FaultSpec, ModelSpec, NgramSpec
 from hetero_sd.workers import RemoteDrafter
-from helpers.table_model import TableRunner
+from helpers.table_model import TableRunner, chi_square_p, exact_joint
 from helpers.tiny_models import random_prompt
 
 BUDGET = 4 << 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One compute thread per process (workers included): see test_workers.py."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -168,17 +159,6 @@ VOCAB, NEW = 4, 4
 PROMPT = [0, 1, 2, 0, 1]
 
 
-def _exact_joint(target: TableRunner, params: SamplingParams) -> dict[tuple, float]:
-    out = {}
-    for cont in itertools.product(range(VOCAB), repeat=NEW):
-        prob, ctx = 1.0, list(PROMPT)
-        for t in cont:
-            prob *= warp(target.logits_for(ctx), params)[0, t]
-            ctx.append(t)
-        out[cont] = prob
-    return out
-
-
 def test_sampling_through_a_cascade_keeps_the_target_distribution():
     """Proposals are deterministic (q one-hot, probs None): the emitted
     continuations follow the target's exact distribution (chi-square), and a
@@ -196,13 +176,7 @@ def test_sampling_through_a_cascade_keeps_the_target_distribution():
         counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
         drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
     assert 0 < accepted < drafted
-    expected = _exact_joint(target, params)
-    assert set(counts) <= {c for c, p in expected.items() if p > 0}
-    cells = sorted(expected, key=expected.get, reverse=True)
-    big = [c for c in cells if expected[c] * n >= 5]
-    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
-    exp = [expected[c] * n for c in big] + [n - sum(expected[c] * n for c in big)]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert chi_square_p(counts, exact_joint(target, params, PROMPT, NEW), n) > 1e-3
     cascade.begin(16, None)
     assert cascade.draft(DraftRequest(0, 0, 3, PROMPT)).probs is None
     runs = {tuple(engine.generate_ids(PROMPT, 30, sampling=SamplingParams(1.0, seed=77)).token_ids)

@@ -10,12 +10,9 @@ acceptance rule fails the same test, which shows the test has power.
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
@@ -25,7 +22,7 @@ from hetero_sd.engine import Engine
 from hetero_sd.errors import GenerationError
 from hetero_sd.ir import load_model_ir
 from hetero_sd.sampling import Sampler, SamplingParams, warp
-from helpers.table_model import TableRunner
+from helpers.table_model import TableRunner, chi_square_p, exact_joint
 from helpers.tiny_models import random_prompt
 
 ALPHA = 1e-3  # per test; the seeds are fixed, so a pass or a fail is reproducible
@@ -33,34 +30,6 @@ VOCAB, NEW = 4, 4
 PROMPT = [0, 1, 2, 0, 1]  # repetitive, so the n-gram drafter proposes often
 SETTINGS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.5, top_k=2),
             SamplingParams(1.0, top_p=0.8), SamplingParams(1.3, top_k=3, top_p=0.9)]
-
-
-def _exact_joint(target: TableRunner, params: SamplingParams) -> dict[tuple, float]:
-    """P(continuation) for every continuation of NEW tokens, by enumeration."""
-    out = {}
-    for cont in itertools.product(range(VOCAB), repeat=NEW):
-        prob, ctx = 1.0, list(PROMPT)
-        for t in cont:
-            prob *= warp(target.logits_for(ctx), params)[0, t]
-            ctx.append(t)
-        if prob > 0:
-            out[cont] = prob
-    return out
-
-
-def _chi_square_p(counts: dict[tuple, int], expected_p: dict[tuple, float], n: int) -> float:
-    assert set(counts) <= set(expected_p), "emitted a continuation the target gives probability 0"
-    obs, exp, rest_obs, rest_exp = [], [], 0, 0.0
-    for cont, prob in expected_p.items():
-        if prob * n >= 5:
-            obs.append(counts.get(cont, 0))
-            exp.append(prob * n)
-        else:  # pool rare cells so the chi-square approximation holds
-            rest_obs, rest_exp = rest_obs + counts.get(cont, 0), rest_exp + prob * n
-    if rest_exp > 0:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    return float(chisquare(obs, exp).pvalue)
 
 
 def _emitted(engine: Engine, params: SamplingParams, n: int, target_only=False):
@@ -87,7 +56,7 @@ def test_emitted_distribution_matches_target(params, drafter):
     engine = Engine(target, None if drafter == "none" else _drafters()[drafter], k=3)
     n = 3000
     counts, drafted, accepted = _emitted(engine, params, n)
-    p_value = _chi_square_p(counts, _exact_joint(target, params), n)
+    p_value = chi_square_p(counts, exact_joint(target, params, PROMPT, NEW), n)
     assert p_value > ALPHA, f"{drafter} {params.describe()}: chi-square p={p_value:.2e}"
     if drafter != "none":  # both outcomes of the acceptance test must have happened
         assert 0 < accepted < drafted
@@ -103,7 +72,7 @@ def test_wrong_acceptance_rule_is_detected(monkeypatch):
     engine = Engine(target, _drafters()["model"], k=3)
     params = SamplingParams(1.0)
     counts, _, _ = _emitted(engine, params, 3000)
-    assert _chi_square_p(counts, _exact_joint(target, params), 3000) < ALPHA
+    assert chi_square_p(counts, exact_joint(target, params, PROMPT, NEW), 3000) < ALPHA
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
@@ -206,4 +175,4 @@ def test_real_model_sampling(tiny_model_dir):
         counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
         drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
     assert 0 < accepted < drafted
-    assert _chi_square_p(counts, expected, n) > ALPHA
+    assert chi_square_p(counts, expected, n) > ALPHA

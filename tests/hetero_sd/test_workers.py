@@ -43,16 +43,7 @@ def paths(tiny_model_dir):
     return {"target": tiny_model_dir("llama"), "other": tiny_model_dir("llama", seed=1)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One compute thread per process: two OpenMP threads in each of two busy
-    processes on a 2-core host spin against each other (100x slower calls)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
