@@ -22,6 +22,7 @@ from hetero_sd.sampling import SamplingParams
 from hetero_sd.transport.segment import SHM_DIR
 from hetero_sd.worker_specs import CascadeSpec, FaultSpec, ModelSpec, NgramSpec
 from hetero_sd.workers import RemoteDrafter
+from helpers.drafters import ProxyDrafter
 from helpers.table_model import TableRunner, chi_square_p, exact_joint
 from helpers.tiny_models import random_prompt
 
@@ -66,20 +67,14 @@ def assert_lossless(target, drafter, ks=(2, 4, 7), seeds=range(2)) -> tuple[int,
 
 
 # ------------------------------------------------------------------ proposals
-class _Noisy:
+class _Noisy(ProxyDrafter):
     """A drafter that proposes a good drafter's tokens, one in three of them replaced."""
 
     def __init__(self, inner, seed=1):
-        self.inner, self.name, self.rng = inner, "noisy", random.Random(seed)
+        super().__init__(inner, "noisy")
+        self.rng = random.Random(seed)
 
-    def begin(self, capacity, sampler=None):
-        self.inner.begin(capacity, sampler)
-
-    def reset(self):
-        self.inner.reset()
-
-    def draft(self, req):
-        result = self.inner.draft(req)
+    def seen(self, req, result):
         result.tokens = [t if self.rng.random() > 0.33 else (t + 1) % 384 for t in result.tokens]
         return result
 

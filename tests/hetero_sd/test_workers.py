@@ -26,6 +26,7 @@ from hetero_sd.worker_specs import FaultSpec, ModelSpec, NgramSpec
 from hetero_sd.worker_main import Lookahead
 from hetero_sd.worker_wire import AHEAD, FRESH
 from hetero_sd.workers import RemoteDrafter
+from helpers.drafters import ProxyDrafter
 from helpers.tiny_models import random_prompt
 
 BUDGET = 4 << 20
@@ -173,20 +174,14 @@ def test_lookahead_answers_equal_synchronous_drafts(paths):
 
 
 # ------------------------------------------------------------------ sampling
-class _Recorder:
+class _Recorder(ProxyDrafter):
     """A drafter proxy that keeps a copy of every proposal and where its rows lived."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.calls = inner, inner.name, []
+        super().__init__(inner)
+        self.calls = []
 
-    def begin(self, capacity, sampler=None):
-        self.inner.begin(capacity, sampler)
-
-    def reset(self):
-        self.inner.reset()
-
-    def draft(self, req):
-        result = self.inner.draft(req)
+    def seen(self, req, result):
         probs = result.probs
         self.calls.append((list(result.tokens), None if probs is None else np.array(probs),
                            None if probs is None else probs.__array_interface__["data"][0]))

@@ -1,0 +1,21 @@
+"""Drafter proxies for tests: wrap a real drafter and look at, or alter, its proposals."""
+from __future__ import annotations
+
+
+class ProxyDrafter:
+    """Delegates begin/reset/draft to `inner`; subclasses override `seen(req, result)`."""
+
+    def __init__(self, inner, name: str | None = None):
+        self.inner, self.name = inner, name or inner.name
+
+    def begin(self, capacity, sampler=None):
+        self.inner.begin(capacity, sampler)
+
+    def reset(self):
+        self.inner.reset()
+
+    def draft(self, req):
+        return self.seen(req, self.inner.draft(req))
+
+    def seen(self, req, result):
+        return result
