@@ -29,18 +29,11 @@ prefix with the context (the target's rejections roll back here too).
 from __future__ import annotations
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafters import Drafter, _apply
+from hetero_sd.drafters import Drafter, _apply, common_prefix
 from hetero_sd.engine import accept_greedy
 from hetero_sd.failover import describe
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult, VerifyRequest
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class CascadeDrafter:
@@ -100,7 +93,7 @@ class CascadeDrafter:
         """Tokens the intermediate commits after `ctx`: accepted inner drafts plus
         its own next token (1..want of them)."""
         drafts = self._inner_drafts(ctx, seq_id, min(self.k_inner, want - 1))
-        common = min(_common(self._cached, ctx), len(ctx) - 1)  # feed >= 1 token to get logits
+        common = min(common_prefix(self._cached, ctx), len(ctx) - 1)  # feed >= 1 token to get logits
         self.runner.truncate(self._seq, common)
         del self._cached[common:]
         feed = ctx[common:]
@@ -117,7 +110,7 @@ class CascadeDrafter:
     def _inner_drafts(self, ctx: list[int], seq_id: int, k: int) -> list[int]:
         if not self._inner_live or k <= 0:
             return []
-        base = _common(self._inner_ctx, ctx)
+        base = common_prefix(self._inner_ctx, ctx)
         try:
             proposal = self.inner.draft(DraftRequest(seq_id, base, k, ctx[base:]))
             drafts = list(proposal.tokens[:k])

@@ -38,6 +38,14 @@ class Drafter(Protocol):
         """Forget the current sequence (called at the end of a request)."""
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix: how much of a cache still matches a context."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _apply(context: list[int], req: DraftRequest) -> list[int]:
     if req.base_len > len(context):
         raise ValueError(f"draft request base_len {req.base_len} beyond known {len(context)} tokens")
@@ -126,11 +134,8 @@ class ModelDrafter:
 
     def _sync(self) -> list[int]:
         """Truncate the cache to the common prefix; return the tokens still to feed."""
-        common = 0
-        limit = min(len(self._cached), len(self.context))
-        while common < limit and self._cached[common] == self.context[common]:
-            common += 1
-        common = min(common, len(self.context) - 1)  # always feed >= 1 token to get logits
+        # always feed >= 1 token to get logits
+        common = min(common_prefix(self._cached, self.context), len(self.context) - 1)
         self.runner.truncate(self._seq, common)
         del self._cached[common:]
         return self.context[common:]

@@ -26,6 +26,7 @@ import signal
 import struct
 import time
 
+from hetero_sd.drafters import common_prefix
 from hetero_sd.ir.work import DraftRequest, DraftResult
 from hetero_sd.transport import PeerClosed, TransportTimeout, connect
 from hetero_sd.worker_specs import DrafterSpec, ModelSpec, WorkerOptions, build_local
@@ -34,13 +35,6 @@ from hetero_sd.worker_wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, P
 
 
 IDLE_WAIT_S = 3600.0
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class Lookahead:
@@ -65,7 +59,7 @@ class Lookahead:
             if have < req.k:
                 self.fill(n + req.k)
         else:  # a rejection: roll back to what was committed and draft from there
-            base = _common(self.guess[:self.fed], ctx)
+            base = common_prefix(self.guess[:self.fed], ctx)
             drafts = self.drafter.draft(DraftRequest(req.seq_id, base, req.k, ctx[base:])).tokens[:req.k]
             self.guess, self.fed, source = ctx + list(drafts), n, FRESH
         # Next round if every draft is kept: the bonus and k more drafts.
