@@ -11,6 +11,7 @@ randomness inside.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
@@ -50,18 +51,26 @@ class OnlineCurve:
 
     level: the factor every size shares (it turns a relative prior into
     seconds and follows costs that grow with the context). shape(n): what the
-    prior got wrong about size n alone (e.g. a jump between widths 4 and 5),
-    set by its first timing and refined slowly after. Each timing updates the
-    level by what it says once the size's shape is divided out, then the
-    shape by what is left, so sitting at one size never rescales the others'
-    shapes. Sizes whose prior is 0 keep plain moving averages.
+    prior got wrong about size n alone (e.g. a jump between widths 4 and 5).
+
+    Timings on a shared machine are noisy and heavy-tailed (another process
+    takes the core for a few ms), so the learning is robust, in log space:
+    a size's shape starts as the median of its first `min_obs` residuals (one
+    spike cannot brand a width as slow for the whole run) and then moves
+    slowly; every update is clipped to `clip` (a spike moves the level by at
+    most smoothing x clip), so only persistent changes move the curve. Each
+    timing updates the level by what it says once the size's shape is
+    divided out, then the shape by what is left, so sitting at one size
+    never rescales the others' shapes. Sizes whose prior is 0 keep a clipped
+    moving average of their own.
     """
 
-    def __init__(self, prior: CostCurve, smoothing: float = 0.25, min_obs: int = 2):
-        self.prior, self.smoothing, self.min_obs = prior, smoothing, min_obs
-        self.level: float | None = None
-        self.shape: dict[int, float] = {}
+    def __init__(self, prior: CostCurve, smoothing: float = 0.25, min_obs: int = 3, clip: float = 0.3):
+        self.prior, self.smoothing, self.min_obs, self.clip = prior, smoothing, min_obs, clip
+        self.level: float | None = None  # log
+        self.shape: dict[int, float] = {}  # log
         self.count: dict[int, int] = {}
+        self.first: dict[int, list[float]] = {}  # residuals until a size has min_obs of them
         self.raw: dict[int, float] = {}
         self._prior: dict[int, float] = {}  # prior(n), computed once per size
 
@@ -71,6 +80,9 @@ class OnlineCurve:
             base = self._prior[n] = self.prior(n)
         return base
 
+    def _step(self, error: float, rate: float) -> float:
+        return rate * min(self.clip, max(-self.clip, error))
+
     def observe(self, n: int, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a timing must be finite seconds >= 0, got {seconds}")
@@ -78,17 +90,21 @@ class OnlineCurve:
         self.count[n] = self.count.get(n, 0) + 1
         if base <= 0:
             old = self.raw.get(n)
-            self.raw[n] = seconds if old is None else old + s * (seconds - old)
+            self.raw[n] = seconds if old is None else old * math.exp(
+                self._step(math.log(max(seconds, 1e-9) / max(old, 1e-9)), s))
             return
-        ratio = seconds / base
-        if self.level is None or self.level <= 0:
-            self.level, self.shape[n] = ratio, 1.0
-        elif n not in self.shape:
-            self.shape[n] = ratio / self.level  # a new size: its deviation is its own
-        else:
-            self.level += s * (ratio / self.shape[n] - self.level)
-            if self.level > 0:
-                self.shape[n] += s / 4 * (ratio / self.level - self.shape[n])
+        y = math.log(max(seconds, 1e-9) / base)
+        if self.level is None:
+            self.level = y
+        if n in self.shape and n not in self.first:  # established: level first, then shape slowly
+            self.level += self._step(y - self.shape[n] - self.level, s)
+            self.shape[n] += self._step(y - self.level - self.shape[n], s / 4)
+            return
+        first = self.first.setdefault(n, [])
+        first.append(y - self.level)
+        self.shape[n] = statistics.median(first)
+        if len(first) >= self.min_obs:
+            del self.first[n]
 
     def seen(self, n: int) -> bool:
         return self.count.get(n, 0) >= self.min_obs
@@ -97,11 +113,29 @@ class OnlineCurve:
         base = self._base(n)
         if base <= 0:
             return self.raw.get(n, 0.0)
-        level = 1.0 if self.level is None else self.level
-        return base * level * self.shape.get(n, 1.0)
+        level = 0.0 if self.level is None else self.level
+        return base * math.exp(level + self.shape.get(n, 0.0))
 
     def snapshot(self, n_max: int) -> CostCurve:
-        return CostCurve(tuple((n, self(n)) for n in range(1, n_max + 1)))
+        """The curve on 1..n_max, made non-decreasing (a wider verify or a longer
+        draft never costs less): a size timed rarely and noisily is pooled with
+        its neighbours, weighted by how often each was timed, so one lucky
+        timing cannot make k = 8 look cheaper than k = 7."""
+        values = [self(n) for n in range(1, n_max + 1)]
+        weights = [1.0 + self.count.get(n, 0) for n in range(1, n_max + 1)]
+        return CostCurve(tuple(zip(range(1, n_max + 1), _non_decreasing(values, weights))))
+
+
+def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, size]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [m for m, _, size in blocks for _ in range(size)]
 
 
 class AdaptiveDraftLength:
