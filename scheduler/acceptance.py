@@ -34,6 +34,11 @@ class AcceptanceTracker:
         self.successes = 0.0
         self.trials = 0.0
         self.rounds = 0  # rounds with at least one draft, undiscounted
+        # The same counts per draft position i (0-based): draft i is a trial
+        # when every draft before it was accepted; positions past the drafts
+        # are unobserved, not rejected.
+        self.position_successes: list[float] = []
+        self.position_trials: list[float] = []
 
     def observe(self, drafted: int, accepted: int) -> None:
         if not 0 <= accepted <= drafted:
@@ -44,16 +49,41 @@ class AcceptanceTracker:
         self.successes += accepted
         self.trials += accepted + (1 if accepted < drafted else 0)
         self.rounds += 1
+        tried = min(drafted, accepted + 1)
+        grow = tried - len(self.position_trials)
+        if grow > 0:
+            self.position_trials += [0.0] * grow
+            self.position_successes += [0.0] * grow
+        for i in range(tried):
+            self.position_trials[i] += 1
+            self.position_successes[i] += i < accepted
 
     def age(self) -> None:
         """One round's discount without evidence (speculation was off)."""
-        self.successes *= self.decay
-        self.trials *= self.decay
+        d = self.decay
+        self.successes *= d
+        self.trials *= d
+        self.position_successes = [x * d for x in self.position_successes]
+        self.position_trials = [x * d for x in self.position_trials]
 
     def mean(self, prior_alpha: float = 0.5, prior_weight: float = 2.0) -> float:
         """Posterior mean of alpha under a Beta prior of that mean and weight."""
         a0 = prior_alpha * prior_weight
         return (a0 + self.successes) / (prior_weight + self.trials)
+
+    def by_position(self, n: int, pooled: float, weight: float) -> tuple[float, ...]:
+        """Acceptance of draft 1..n given the drafts before it were accepted,
+        each shrunk toward the pooled estimate by `weight` pseudo-trials.
+        A prompt-lookup drafter is bursty: its first draft fails often (the
+        match was a coincidence), but once one is accepted the copied text
+        tends to continue, so later positions accept more; a single alpha
+        for all positions under-drafts exactly where drafting pays."""
+        out = []
+        for i in range(n):
+            s = self.position_successes[i] if i < len(self.position_successes) else 0.0
+            t = self.position_trials[i] if i < len(self.position_trials) else 0.0
+            out.append((s + weight * pooled) / (t + weight))
+        return tuple(out)
 
     def interval(self, z: float = 3.0) -> tuple[float, float]:
         """Wilson score interval for alpha ((0, 1) with no trials)."""

@@ -174,10 +174,24 @@ class RoundCost:
         return best_k, best, evaluated
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens a round with k drafts commits (accepted drafts + the bonus)."""
+def expected_tokens(alpha, k: int) -> float:
+    """Expected tokens a round with k drafts commits (accepted drafts + the bonus).
+
+    alpha: one per-token acceptance for every position (the geometric model),
+    or a sequence of per-position acceptances h_1, h_2, ... (draft i accepted
+    given drafts 1..i-1 were; the last value repeats past its end):
+    1 + sum over j <= k of h_1 * ... * h_j. Either way non-decreasing in k."""
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
+    if not isinstance(alpha, (int, float)):
+        hs = tuple(alpha)
+        if not hs or not all(0.0 <= h <= 1.0 for h in hs):
+            raise ValueError(f"per-position acceptances must be in [0, 1], got {hs}")
+        total, survive = 1.0, 1.0
+        for j in range(k):
+            survive *= hs[min(j, len(hs) - 1)]
+            total += survive
+        return total
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if alpha >= 1.0:

@@ -143,7 +143,11 @@ class AdaptiveDraftLength:
 
     alpha: the posterior mean of a Beta(prior) over per-token acceptance, with
     counts discounted by `decay` each round, so it follows a prompt
-    that turns from grounded to open-ended. Costs: `cost` (a measured profile,
+    that turns from grounded to open-ended. Decisions use the acceptance of
+    each draft position given the ones before it (`acceptance()`), shrunk
+    toward alpha by `position_weight` pseudo-trials: n-gram drafts are bursty
+    (a first draft often fails, a continued copy rarely does), which one
+    alpha for every position misjudges. Costs: `cost` (a measured profile,
     or a relative default) corrected online by the timings given to observe().
     Each round it picks the k maximising expected tokens per second
     (cost_model.RoundCost.best_k); k = 0 switches speculation off. While off it
@@ -158,7 +162,8 @@ class AdaptiveDraftLength:
 
     def __init__(self, k_max: int, cost: RoundCost | None = None, *, prior_alpha: float = 0.6,
                  prior_weight: float = 4.0, decay: float = 0.95, probe_every: int = 8,
-                 max_probe_every: int = 64, explore_every: int = 8, hit_smoothing: float = 0.1):
+                 max_probe_every: int = 64, explore_every: int = 8, hit_smoothing: float = 0.1,
+                 position_weight: float = 4.0):
         if not 1 <= k_max <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k_max must be in 1..{MAX_DRAFT_TOKENS}, got {k_max}")
         if not 0 < prior_alpha < 1 or prior_weight <= 0 or not 1 <= probe_every <= max_probe_every:
@@ -166,7 +171,7 @@ class AdaptiveDraftLength:
         self.k_max = k_max
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.base_probe_every, self.max_probe_every, self.hit_smoothing = probe_every, max_probe_every, hit_smoothing
-        self.explore_every = explore_every
+        self.explore_every, self.position_weight = explore_every, position_weight
         self._timed = False  # timings have been observed: exploring costs teaches something
         prior = cost or DEFAULT_COST
         self._verify, self._draft = OnlineCurve(prior.verify), OnlineCurve(prior.draft)
@@ -188,12 +193,16 @@ class AdaptiveDraftLength:
     def alpha(self) -> float:
         return self._acceptance.mean(self.prior_alpha, self.prior_weight)
 
+    def acceptance(self) -> tuple[float, ...]:
+        """Per-position acceptance (AcceptanceTracker.by_position) around the pooled alpha."""
+        return self._acceptance.by_position(self.k_max, self.alpha, self.position_weight)
+
     def round_cost(self) -> RoundCost:
         return RoundCost(self._verify.snapshot(self.k_max + 1), self._draft.snapshot(self.k_max))
 
     def _decide(self) -> int:
         if self._choice is None:
-            self._choice = self.round_cost().best_k(self.alpha, self.k_max, self.hit_rate)[0]
+            self._choice = self.round_cost().best_k(self.acceptance(), self.k_max, self.hit_rate)[0]
         return self._choice
 
     def _probe_k(self) -> int:

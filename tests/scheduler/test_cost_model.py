@@ -14,6 +14,19 @@ from hetero_sd.scheduler.cost_model import (CostCurve, DeviceProfile, DraftOptio
 SCHEDULER_DIR = Path(__file__).resolve().parents[2] / "scheduler"
 
 
+def test_expected_tokens_per_position():
+    # draft 1 accepted half the time; after it, every draft is
+    assert expected_tokens((0.5, 1.0), 0) == 1.0
+    assert expected_tokens((0.5, 1.0), 1) == pytest.approx(1.5)
+    assert expected_tokens((0.5, 1.0), 3) == pytest.approx(1 + 0.5 + 0.5 + 0.5)  # the last value repeats
+    for k in range(6):  # equal positions are the geometric model
+        assert expected_tokens((0.7,) * 6, k) == pytest.approx(expected_tokens(0.7, k), rel=1e-12)
+    with pytest.raises(ValueError):
+        expected_tokens((0.5, 1.2), 2)
+    with pytest.raises(ValueError):
+        expected_tokens((), 2)
+
+
 def test_expected_tokens_is_the_truncated_geometric_sum():
     for alpha in (0.0, 0.1, 0.5, 0.83, 0.99):
         for k in range(0, 17):
