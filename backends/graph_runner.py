@@ -1,8 +1,8 @@
 """A runner for graph runtimes (onnxruntime, OpenVINO) that follow the
 `onnx_llama` contract: the backend owns a numpy KV pool; each sequence is one
 contiguous slab [2, layers, kv_heads, reserved, head_dim] bound in place as
-the graph's past inputs; the graph returns only the new positions' K/V, which
-are written into the slab. Rollback is the allocator's length."""
+the graph's past inputs; the graph returns only the new positions' K/V (one
+stacked output), which are written into the slab. Rollback is the allocator's length."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,7 +16,10 @@ from hetero_sd.ir.model import ModelIR
 
 
 class GraphRunner(PooledRunner):
-    """Subclasses implement `_infer(feeds) -> list of outputs` in graph output order."""
+    """Subclasses implement `_infer(feeds, past) -> (logits, new_kv)`: feeds are
+    the small per-step inputs, past the sequence's per-layer slab views, the
+    same dict object on every call for a sequence (a runtime that binds
+    buffers once can tell by identity that nothing moved)."""
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  pad_single_row: bool = False):
@@ -35,6 +38,7 @@ class GraphRunner(PooledRunner):
         self._pool = np.zeros(capacity * self._per_pos, dtype=np.float32)
         self._kv_shape = (2, cfg.num_layers, cfg.num_kv_heads, None, cfg.head_dim)
         self._slabs: dict[int, np.ndarray] = {}
+        self._past: dict[int, dict[str, np.ndarray]] = {}  # seq -> its slab's per-layer views
         # Quantised-weight kernels take a one-row path that rounds apart from
         # their multi-row one (measured); a one-token call then runs as two
         # rows (the token twice, the second a discarded position) so decode
@@ -47,31 +51,30 @@ class GraphRunner(PooledRunner):
         flat = self._pool[ext.offset * self._per_pos:(ext.offset + capacity) * self._per_pos]
         shape = list(self._kv_shape)
         shape[3] = capacity
-        self._slabs[seq] = flat.reshape(shape)
+        slab = self._slabs[seq] = flat.reshape(shape)
+        self._past[seq] = {f"past_{n}_{i}": slab[j, i] for j, n in enumerate("kv") for i in range(self._layers)}
         return seq
 
-    def _infer(self, feeds: dict) -> list:
+    def _infer(self, feeds: dict, past: dict) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         n = len(tokens)
         with self._alloc.writing(seq_id, start, n):
-            return self._run(self._slabs[seq_id], tokens, start, num_logits)
+            return self._run(seq_id, tokens, start, num_logits)
 
-    def _run(self, slab: np.ndarray, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+    def _run(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+        slab = self._slabs[seq_id]
         n = len(tokens)
-        pad = self._pad_single_row and n == 1 and start + 1 < self.max_context
+        # (the discarded row needs a slot of its own in the slab)
+        pad = self._pad_single_row and n == 1 and start + 1 < slab.shape[3]
         ids = list(tokens) * 2 if pad else tokens
         feeds = {"input_ids": np.asarray(ids, dtype=np.int64),
                  "past_len": np.asarray(start, dtype=np.int64),
                  "num_logits": np.asarray(num_logits + pad, dtype=np.int64)}
-        for i in range(self._layers):
-            feeds[f"past_k_{i}"], feeds[f"past_v_{i}"] = slab[0, i], slab[1, i]
-        outputs = self._infer(feeds)
-        for i in range(self._layers):
-            slab[0, i, :, start:start + n] = outputs[1 + 2 * i][:, :n]
-            slab[1, i, :, start:start + n] = outputs[2 + 2 * i][:, :n]
-        return np.array(outputs[0][:num_logits])  # a copy: runtimes may reuse output buffers
+        logits, new_kv = self._infer(feeds, self._past[seq_id])
+        slab[:, :, :, start:start + n] = new_kv[:, :, :, :n]
+        return np.array(logits[:num_logits])  # a copy: runtimes may reuse output buffers
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()
@@ -79,6 +82,7 @@ class GraphRunner(PooledRunner):
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self._slabs.pop(seq_id, None)
+        self._past.pop(seq_id, None)
 
     def kv_buffers(self) -> tuple[np.ndarray]:
         """The pool's memory (for tests that prove rollback moves no data)."""

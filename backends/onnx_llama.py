@@ -6,8 +6,10 @@ Graph contract, designed for pre-allocated KV pools and batch invariance:
            the sequence's whole reserved slab (R fixed per sequence), bound in
            place; positions >= past_len hold stale data and are masked.
   outputs  logits float [num_logits, vocab] (LM head only on those rows),
-           new_k_{i}, new_v_{i} float [kv_heads, T, head_dim]: only the new
-           positions, which the backend writes into its pool (it stays owner).
+           new_kv float [2, layers, kv_heads, T, head_dim]: only the new
+           positions' K and V, which the backend writes into its pool (it
+           stays owner) with one strided copy: one output, not two per layer,
+           keeps the per-step work outside the runtime to a few calls.
 Attention runs over all R slots with the new keys placed at their absolute
 positions, so every row reduces over the same R values in the same order
 whatever T is: a k-token verify rounds exactly like k one-token steps.
@@ -22,7 +24,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 3  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 5  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -88,11 +90,10 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row), b.const(np.int64(cfg.sliding_window))))
     visible = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)),
                                    b.op("Concat", i64(G), T, R, axis=0)), i64(1, -1, 0), allowzero=0)
-    # New keys land at their absolute slots: slot j takes new row j - past_len.
-    rel = b.op("Sub", k_idx, "past_len")
-    is_new = b.op("And", b.op("GreaterOrEqual", rel, b.const(np.int64(0))), b.op("Less", rel, b.op("Squeeze", T)))
-    is_new = b.op("Reshape", is_new, i64(1, -1, 1))
-    gather_idx = b.op("Clip", rel, b.const(np.int64(0)), b.op("Sub", b.op("Squeeze", T), b.const(np.int64(1))))
+    # New keys land at their absolute slots past_len .. past_len + T - 1 of a
+    # copy of the slab (ScatterElements along the position axis: a copy and T
+    # writes, where selecting over all R slots read three R-long tensors).
+    slots = b.op("Expand", b.op("Reshape", q_pos, i64(1, -1, 1)), i64(Hkv, 1, D))  # [Hkv, T, D]
     minus_inf = b.const(np.float32(-np.inf))
     scale = b.const(np.float32(1.0 / np.sqrt(D)))
 
@@ -108,8 +109,8 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         q = _rope(b, heads["q"], cos, sin, D // 2)
         b.op("Identity", _rope(b, heads["k"], cos, sin, D // 2), out=f"new_k_{i}")
         b.op("Identity", heads["v"], out=f"new_v_{i}")
-        k_all = b.op("Where", is_new, b.op("Gather", f"new_k_{i}", gather_idx, axis=1), f"past_k_{i}")
-        v_all = b.op("Where", is_new, b.op("Gather", f"new_v_{i}", gather_idx, axis=1), f"past_v_{i}")
+        k_all = b.op("ScatterElements", f"past_k_{i}", slots, f"new_k_{i}", axis=1)
+        v_all = b.op("ScatterElements", f"past_v_{i}", slots, f"new_v_{i}", axis=1)
         q = b.op("Reshape", q, i64(Hkv, -1, D))  # [Hkv, G*T, D]: q heads grouped by kv head
         scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 2, 1])), scale)
         probs = b.op("Softmax", b.op("Where", visible, scores, minus_inf), axis=-1)
@@ -121,6 +122,10 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         gate = b.op("Mul", gate, b.op("Sigmoid", gate))
         up = _linear(b, h, weights[p + "mlp.up_proj.weight"])
         x = b.op("Add", x, _linear(b, b.op("Mul", gate, up), weights[p + "mlp.down_proj.weight"]))
+
+    layers = range(cfg.num_layers)
+    stacked = [b.op("Concat", *[b.op("Unsqueeze", f"new_{n}_{i}", i64(0)) for i in layers], axis=0) for n in "kv"]
+    b.op("Concat", *[b.op("Unsqueeze", x, i64(0)) for x in stacked], axis=0, out="new_kv")
 
     start = b.op("Sub", T, b.op("Reshape", "num_logits", i64(1)))
     x = b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), i64(1)), i64(0))
@@ -137,10 +142,10 @@ def _make_model(b: _Builder, cfg) -> onnx.ModelProto:
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
               helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
-    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.vocab_size])]
+    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.vocab_size]),
+               helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T", cfg.head_dim])]
     for i in range(cfg.num_layers):
         inputs += [kv(f"past_k_{i}", "R"), kv(f"past_v_{i}", "R")]
-        outputs += [kv(f"new_k_{i}", "T"), kv(f"new_v_{i}", "T")]
     graph = helper.make_graph(b.nodes, "hetero_sd_llama", inputs, outputs, b.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                              producer_name="hetero-sd")

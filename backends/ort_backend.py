@@ -101,5 +101,5 @@ class OrtRunner(GraphRunner):
         self._session = ort.InferenceSession(str(path), opts, providers=[provider])
         self._outputs = [o.name for o in self._session.get_outputs()]
 
-    def _infer(self, feeds: dict) -> list:
-        return self._session.run(self._outputs, feeds)
+    def _infer(self, feeds: dict, past: dict) -> list:
+        return self._session.run(self._outputs, feeds | past)
