@@ -163,7 +163,7 @@ class AdaptiveDraftLength:
     def __init__(self, k_max: int, cost: RoundCost | None = None, *, prior_alpha: float = 0.6,
                  prior_weight: float = 4.0, decay: float = 0.95, probe_every: int = 8,
                  max_probe_every: int = 64, explore_every: int = 8, hit_smoothing: float = 0.1,
-                 position_weight: float = 4.0):
+                 position_weight: float = 4.0, redecide_every: int = 4):
         if not 1 <= k_max <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k_max must be in 1..{MAX_DRAFT_TOKENS}, got {k_max}")
         if not 0 < prior_alpha < 1 or prior_weight <= 0 or not 1 <= probe_every <= max_probe_every:
@@ -172,6 +172,7 @@ class AdaptiveDraftLength:
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.base_probe_every, self.max_probe_every, self.hit_smoothing = probe_every, max_probe_every, hit_smoothing
         self.explore_every, self.position_weight = explore_every, position_weight
+        self.redecide_every = redecide_every
         self._timed = False  # timings have been observed: exploring costs teaches something
         prior = cost or DEFAULT_COST
         self._verify, self._draft = OnlineCurve(prior.verify), OnlineCurve(prior.draft)
@@ -188,6 +189,7 @@ class AdaptiveDraftLength:
         self._probe_tries = 0  # > 0 while a probe waits for a round that has drafts
         self._asked: int | None = None
         self._choice: int | None = None  # cached decision; None = recompute
+        self._stale = 0  # rounds since the cached decision was made
 
     @property
     def alpha(self) -> float:
@@ -203,6 +205,7 @@ class AdaptiveDraftLength:
     def _decide(self) -> int:
         if self._choice is None:
             self._choice = self.round_cost().best_k(self.acceptance(), self.k_max, self.hit_rate)[0]
+            self._stale = 0
         return self._choice
 
     def _probe_k(self) -> int:
@@ -253,7 +256,13 @@ class AdaptiveDraftLength:
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
             self._timed = True
-        self._choice = None
+        # Re-decide on new acceptance evidence, else every `redecide_every`
+        # rounds: most rounds of an open-ended prompt find no n-gram match and
+        # only nudge the costs and the hit rate, and deciding afresh each time
+        # cost ~1% of a 17 ms round (measured) for the same answer.
+        self._stale += 1
+        if drafted > 0 or self._stale >= self.redecide_every:
+            self._choice = None
         if self._probe_tries and (drafted > 0 or self._probe_tries >= 4):
             self._end_probe()
 
