@@ -24,7 +24,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 5  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 6  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -111,8 +111,10 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         b.op("Identity", heads["v"], out=f"new_v_{i}")
         k_all = b.op("ScatterElements", f"past_k_{i}", slots, f"new_k_{i}", axis=1)
         v_all = b.op("ScatterElements", f"past_v_{i}", slots, f"new_v_{i}", axis=1)
-        q = b.op("Reshape", q, i64(Hkv, -1, D))  # [Hkv, G*T, D]: q heads grouped by kv head
-        scores = b.op("Mul", b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 2, 1])), scale)
+        # The 1/sqrt(D) scale on q ([H, T, D]), not on the [Hkv, G*T, R] scores:
+        # R/D times fewer multiplies, and for a power-of-two D it is exact.
+        q = b.op("Reshape", b.op("Mul", q, scale), i64(Hkv, -1, D))  # [Hkv, G*T, D]: q heads grouped by kv head
+        scores = b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 2, 1]))
         probs = b.op("Softmax", b.op("Where", visible, scores, minus_inf), axis=-1)
         att = b.op("Reshape", b.op("MatMul", probs, v_all), i64(H, -1, D))
         att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
