@@ -24,7 +24,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 6  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 8  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -102,10 +102,17 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         p = f"model.layers.{i}."
         bias = (lambda n: weights[p + f"self_attn.{n}_proj.bias"]) if cfg.attention_bias else (lambda n: None)
         h = _rms_norm(b, x, weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        heads = {}
-        for n, count in (("q", H), ("k", Hkv), ("v", Hkv)):
-            y = _linear(b, h, weights[p + f"self_attn.{n}_proj.weight"], bias(n))
-            heads[n] = b.op("Transpose", b.op("Reshape", y, i64(-1, count, D)), perm=[1, 0, 2])
+        # q, k and v (and below gate and up) as one wider matmul each: a third
+        # fewer weight-layer calls, whose fixed cost dominates this small a
+        # model; every output column still reduces over the same inputs.
+        qkv = (("q", H), ("k", Hkv), ("v", Hkv))
+        fused_bias = np.concatenate([bias(n) for n, _ in qkv]) if cfg.attention_bias else None
+        y = _linear(b, h, np.concatenate([weights[p + f"self_attn.{n}_proj.weight"] for n, _ in qkv]), fused_bias)
+        parts = [b.name(n) for n, _ in qkv]
+        b.nodes.append(helper.make_node("Split", [y, b.const([c * D for _, c in qkv], dtype=np.int64)], parts,
+                                        axis=-1))
+        heads = {n: b.op("Transpose", b.op("Reshape", part, i64(-1, c, D)), perm=[1, 0, 2])
+                 for (n, c), part in zip(qkv, parts)}
         q = _rope(b, heads["q"], cos, sin, D // 2)
         b.op("Identity", _rope(b, heads["k"], cos, sin, D // 2), out=f"new_k_{i}")
         b.op("Identity", heads["v"], out=f"new_v_{i}")
@@ -120,9 +127,12 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
         x = b.op("Add", x, _linear(b, att, weights[p + "self_attn.o_proj.weight"]))
         h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        gate = _linear(b, h, weights[p + "mlp.gate_proj.weight"])
+        inter = weights[p + "mlp.gate_proj.weight"].shape[0]
+        gate_up = _linear(b, h, np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+        gate, up = b.name("gate"), b.name("up")
+        b.nodes.append(helper.make_node("Split", [gate_up, b.const([inter, inter], dtype=np.int64)], [gate, up],
+                                        axis=-1))
         gate = b.op("Mul", gate, b.op("Sigmoid", gate))
-        up = _linear(b, h, weights[p + "mlp.up_proj.weight"])
         x = b.op("Add", x, _linear(b, b.op("Mul", gate, up), weights[p + "mlp.down_proj.weight"]))
 
     layers = range(cfg.num_layers)
