@@ -137,7 +137,7 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
 
     layers = range(cfg.num_layers)
     stacked = [b.op("Concat", *[b.op("Unsqueeze", f"new_{n}_{i}", i64(0)) for i in layers], axis=0) for n in "kv"]
-    b.op("Concat", *[b.op("Unsqueeze", x, i64(0)) for x in stacked], axis=0, out="new_kv")
+    b.op("Concat", *[b.op("Unsqueeze", kv, i64(0)) for kv in stacked], axis=0, out="new_kv")
 
     start = b.op("Sub", T, b.op("Reshape", "num_logits", i64(1)))
     x = b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), i64(1)), i64(0))
