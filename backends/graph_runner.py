@@ -11,7 +11,7 @@ import numpy as np
 
 from hetero_sd.backends.base import DeviceInfo, PrecisionInfo
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
-from hetero_sd.ir.errors import BackendError
+from hetero_sd.ir.errors import BackendError, KVBudgetError
 from hetero_sd.ir.model import ModelIR
 
 
@@ -20,6 +20,8 @@ class GraphRunner(PooledRunner):
     the small per-step inputs, past the sequence's per-layer slab views, the
     same dict object on every call for a sequence (a runtime that binds
     buffers once can tell by identity that nothing moved)."""
+
+    WINDOW_BLOCK = 32  # attention windows grow in steps of this many slots
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  pad_single_row: bool = False):
@@ -46,13 +48,22 @@ class GraphRunner(PooledRunner):
         self._pad_single_row = pad_single_row
 
     def allocate(self, capacity: int) -> int:
-        seq = self._alloc.allocate(capacity)
+        # A slab of whole blocks lets every attention window be a whole number
+        # of blocks (OpenVINO's kernels round a row alike only for such
+        # lengths, measured); where the budget cannot spare the rounding, the
+        # exact slab is read whole on every call.
+        block = self.WINDOW_BLOCK
+        try:
+            seq = self._alloc.allocate(-(-capacity // block) * block)
+        except KVBudgetError:
+            seq = self._alloc.allocate(capacity)
         ext = self._alloc.extent(seq)
+        capacity = ext.reserved
         flat = self._pool[ext.offset * self._per_pos:(ext.offset + capacity) * self._per_pos]
         shape = list(self._kv_shape)
         shape[3] = capacity
         slab = self._slabs[seq] = flat.reshape(shape)
-        self._past[seq] = {f"past_{n}_{i}": slab[j, i] for j, n in enumerate("kv") for i in range(self._layers)}
+        self._past[seq] = {f"past_{n}_{i}": slab[j, i][None] for j, n in enumerate("kv") for i in range(self._layers)}
         return seq
 
     def _infer(self, feeds: dict, past: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -71,10 +82,18 @@ class GraphRunner(PooledRunner):
         ids = list(tokens) * 2 if pad else tokens
         feeds = {"input_ids": np.asarray(ids, dtype=np.int64),
                  "past_len": np.asarray(start, dtype=np.int64),
+                 "window": np.asarray(self._window(start + len(ids), slab.shape[3]), dtype=np.int64),
                  "num_logits": np.asarray(num_logits + pad, dtype=np.int64)}
         logits, new_kv = self._infer(feeds, self._past[seq_id])
         slab[:, :, :, start:start + n] = new_kv[:, :, :, :n]
         return np.array(logits[:num_logits])  # a copy: runtimes may reuse output buffers
+
+    def _window(self, end: int, reserved: int) -> int:
+        """Slots attention reads: the live length rounded up to a block (the
+        runtime's shapes then change once a block, not every step); a slab
+        that is not whole blocks is always read whole."""
+        block = self.WINDOW_BLOCK
+        return reserved if reserved % block else min(reserved, -(-end // block) * block)
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()

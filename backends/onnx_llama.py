@@ -2,7 +2,10 @@
 
 Graph contract, designed for pre-allocated KV pools and batch invariance:
   inputs   input_ids int64 [T], past_len int64 [], num_logits int64 [],
-           past_k_{i}, past_v_{i} float [kv_heads, R, head_dim] per layer:
+           window int64 []: attention reads slots [0, window), past_len + T
+           <= window <= R (the runner rounds it up to a block, so it changes
+           every block of tokens, not every step),
+           past_k_{i}, past_v_{i} float [1, kv_heads, R, head_dim] per layer:
            the sequence's whole reserved slab (R fixed per sequence), bound in
            place; positions >= past_len hold stale data and are masked.
   outputs  logits float [num_logits, vocab] (LM head only on those rows),
@@ -10,9 +13,12 @@ Graph contract, designed for pre-allocated KV pools and batch invariance:
            positions' K and V, which the backend writes into its pool (it
            stays owner) with one strided copy: one output, not two per layer,
            keeps the per-step work outside the runtime to a few calls.
-Attention runs over all R slots with the new keys placed at their absolute
-positions, so every row reduces over the same R values in the same order
-whatever T is: a k-token verify rounds exactly like k one-token steps.
+Attention runs over the window's slots with the new keys placed at their
+absolute positions, so every row reduces over the same values in the same
+order whatever T is, the masked tail adding exact zeros: a k-token verify
+rounds exactly like k one-token steps (tests prove it bitwise). The window,
+not the reserved R, sets the cost: a request for 2k new tokens does not pay
+for 2k slots from its first step.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 8  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 13  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -61,10 +67,24 @@ def _linear(b: _Builder, x: str, weight: np.ndarray, bias: np.ndarray | None = N
 
 
 def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
+    """x [1, heads, T, D] * cos + rotate_half(x) * sin, cos/sin [1, 1, T, D].
+    Written as OpenVINO's GPT-NeoX RoPE pattern (rank 4, split on axis 3,
+    the negation as a multiply by -1, exact) so its CPU plugin runs one RoPE
+    kernel instead of six elementwise nodes."""
     lo, hi = b.name("lo"), b.name("hi")
-    b.nodes.append(helper.make_node("Split", [x, b.const([half, half], dtype=np.int64)], [lo, hi], axis=-1))
-    rotated = b.op("Concat", b.op("Neg", hi), lo, axis=-1)
+    b.nodes.append(helper.make_node("Split", [x, b.const([half, half], dtype=np.int64)], [lo, hi], axis=3))
+    rotated = b.op("Concat", b.op("Mul", hi, b.const(np.float32(-1.0))), lo, axis=-1)
     return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+
+
+def _attention(b: _Builder, i: int, Hkv: int, D: int, minus_inf: str) -> str:
+    """softmax(q k^T masked) v for layer i over the window: q `attn_q_{i}`
+    [Hkv, G*T, D] (already scaled), the window with the new rows in place
+    `attn_{k,v}_{i}` [1, Hkv, W, D], the shared `attn_mask` [1, G*T, W]."""
+    k, v = (b.op("Reshape", f"attn_{n}_{i}", b.const([Hkv, -1, D], dtype=np.int64)) for n in "kv")
+    scores = b.op("MatMul", f"attn_q_{i}", b.op("Transpose", k, perm=[0, 2, 1]))
+    probs = b.op("Softmax", b.op("Where", "attn_mask", scores, minus_inf), axis=-1)
+    return b.op("MatMul", probs, v, out=f"attn_out_{i}")
 
 
 def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
@@ -74,28 +94,33 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
 
-    # Positions, RoPE rows, and the [T, R] visibility mask shared by all layers.
+    # Positions, RoPE rows, and the [T, W] visibility mask shared by all layers.
     T = b.op("Shape", "input_ids")
-    R = b.op("Gather", b.op("Shape", "past_k_0"), i64(1), axis=0)
+    W = b.op("Reshape", "window", i64(1))
     q_pos = b.op("Add", b.op("Range", b.const(np.int64(0)), b.op("Squeeze", T), b.const(np.int64(1))), "past_len")
-    k_idx = b.op("Range", b.const(np.int64(0)), b.op("Squeeze", R), b.const(np.int64(1)))
+    k_idx = b.op("Range", b.const(np.int64(0)), "window", b.const(np.int64(1)))
     inv = rope_inv_freq(cfg).numpy().astype(np.float32)
     angles = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inv[None, :]
     emb = np.concatenate([angles, angles], axis=-1)
-    cos = b.op("Gather", b.const(np.cos(emb).astype(np.float32), "cos"), q_pos, axis=0)  # [T, D]
-    sin = b.op("Gather", b.const(np.sin(emb).astype(np.float32), "sin"), q_pos, axis=0)
+    cos, sin = (b.op("Reshape", b.op("Gather", b.const(f(emb).astype(np.float32), f.__name__), q_pos, axis=0),
+                     i64(1, 1, -1, D)) for f in (np.cos, np.sin))  # [1, 1, T, D]
+    # q's rows carry the 1/sqrt(D) attention scale (q * (cos*s) + rot(q) * (sin*s)):
+    # one multiply per graph instead of one per layer, and none on the
+    # [Hkv, G*T, W] scores; exact where s is a power of two (D = 64, 256).
+    scale = b.const(np.float32(1.0 / np.sqrt(D)))
+    cos_q, sin_q = b.op("Mul", cos, scale), b.op("Mul", sin, scale)
     q_col, k_row = b.op("Unsqueeze", q_pos, i64(1)), b.op("Unsqueeze", k_idx, i64(0))
-    visible = b.op("LessOrEqual", k_row, q_col)  # [T, R]
+    visible = b.op("LessOrEqual", k_row, q_col)  # [T, W]
     if cfg.sliding_window:
         visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row), b.const(np.int64(cfg.sliding_window))))
-    visible = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)),
-                                   b.op("Concat", i64(G), T, R, axis=0)), i64(1, -1, 0), allowzero=0)
+    b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)), b.op("Concat", i64(G), T, W, axis=0)),
+         i64(1, -1, 0), allowzero=0, out="attn_mask")  # [1, G*T, W]
     # New keys land at their absolute slots past_len .. past_len + T - 1 of a
-    # copy of the slab (ScatterElements along the position axis: a copy and T
-    # writes, where selecting over all R slots read three R-long tensors).
-    slots = b.op("Expand", b.op("Reshape", q_pos, i64(1, -1, 1)), i64(Hkv, 1, D))  # [Hkv, T, D]
+    # copy of the window (ScatterElements along the position axis: a copy and
+    # T writes, where selecting over all slots read three window-long tensors).
+    slots = b.op("Expand", b.op("Reshape", q_pos, i64(1, 1, -1, 1)), i64(1, Hkv, 1, D))  # [1, Hkv, T, D]
     minus_inf = b.const(np.float32(-np.inf))
-    scale = b.const(np.float32(1.0 / np.sqrt(D)))
+    new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
 
     x = b.op("Gather", b.const(weights["model.embed_tokens.weight"], "embed"), "input_ids", axis=0)
     for i in range(cfg.num_layers):
@@ -111,19 +136,18 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         parts = [b.name(n) for n, _ in qkv]
         b.nodes.append(helper.make_node("Split", [y, b.const([c * D for _, c in qkv], dtype=np.int64)], parts,
                                         axis=-1))
-        heads = {n: b.op("Transpose", b.op("Reshape", part, i64(-1, c, D)), perm=[1, 0, 2])
-                 for (n, c), part in zip(qkv, parts)}
-        q = _rope(b, heads["q"], cos, sin, D // 2)
-        b.op("Identity", _rope(b, heads["k"], cos, sin, D // 2), out=f"new_k_{i}")
-        b.op("Identity", heads["v"], out=f"new_v_{i}")
-        k_all = b.op("ScatterElements", f"past_k_{i}", slots, f"new_k_{i}", axis=1)
-        v_all = b.op("ScatterElements", f"past_v_{i}", slots, f"new_v_{i}", axis=1)
-        # The 1/sqrt(D) scale on q ([H, T, D]), not on the [Hkv, G*T, R] scores:
-        # R/D times fewer multiplies, and for a power-of-two D it is exact.
-        q = b.op("Reshape", b.op("Mul", q, scale), i64(Hkv, -1, D))  # [Hkv, G*T, D]: q heads grouped by kv head
-        scores = b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 2, 1]))
-        probs = b.op("Softmax", b.op("Where", visible, scores, minus_inf), axis=-1)
-        att = b.op("Reshape", b.op("MatMul", probs, v_all), i64(H, -1, D))
+        # q and k as [1, heads, T, D] (the layout OpenVINO's RoPE kernel
+        # takes, transpose folded in); v straight to the slab's [Hkv, T, D].
+        heads = {n: b.op("Transpose", b.op("Reshape", part, i64(1, -1, c, D)), perm=[0, 2, 1, 3])
+                 for (n, c), part in zip(qkv[:2], parts[:2])}
+        new_kv["k"].append(_rope(b, heads["k"], cos, sin, D // 2))
+        new_kv["v"].append(b.op("Transpose", b.op("Reshape", parts[2], i64(1, -1, Hkv, D)), perm=[0, 2, 1, 3]))
+        for n in "kv":
+            past = b.op("Slice", f"past_{n}_{i}", i64(0), W, i64(2))  # the window: a copy the scatter may reuse
+            b.op("ScatterElements", past, slots, new_kv[n][-1], axis=2, out=f"attn_{n}_{i}")
+        # q heads grouped by kv head: [Hkv, G*T, D]
+        b.op("Reshape", _rope(b, heads["q"], cos_q, sin_q, D // 2), i64(Hkv, -1, D), out=f"attn_q_{i}")
+        att = b.op("Reshape", _attention(b, i, Hkv, D, minus_inf), i64(H, -1, D))
         att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
         x = b.op("Add", x, _linear(b, att, weights[p + "self_attn.o_proj.weight"]))
         h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
@@ -135,8 +159,7 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         gate = b.op("Mul", gate, b.op("Sigmoid", gate))
         x = b.op("Add", x, _linear(b, b.op("Mul", gate, up), weights[p + "mlp.down_proj.weight"]))
 
-    layers = range(cfg.num_layers)
-    stacked = [b.op("Concat", *[b.op("Unsqueeze", f"new_{n}_{i}", i64(0)) for i in layers], axis=0) for n in "kv"]
+    stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
     b.op("Concat", *[b.op("Unsqueeze", kv, i64(0)) for kv in stacked], axis=0, out="new_kv")
 
     start = b.op("Sub", T, b.op("Reshape", "num_logits", i64(1)))
@@ -150,9 +173,10 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
 
 def _make_model(b: _Builder, cfg) -> onnx.ModelProto:
     f = TensorProto.FLOAT
-    kv = lambda n, length: helper.make_tensor_value_info(n, f, [cfg.num_kv_heads, length, cfg.head_dim])  # noqa
+    kv = lambda n, length: helper.make_tensor_value_info(n, f, [1, cfg.num_kv_heads, length, cfg.head_dim])  # noqa
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
+              helper.make_tensor_value_info("window", TensorProto.INT64, []),
               helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
     outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.vocab_size]),
                helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T", cfg.head_dim])]

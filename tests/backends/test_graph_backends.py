@@ -61,19 +61,59 @@ def test_batch_invariance_matches_precision_policy(tiny_model_dir, backend, prec
         assert not all(equal), "policy says not batch-invariant but every width matched: update it"
 
 
+def _spy_windows(runner) -> list[int]:
+    windows, infer = [], runner._infer
+    runner._infer = lambda feeds, past: windows.append(int(feeds["window"])) or infer(feeds, past)
+    return windows
+
+
+@pytest.mark.parametrize("backend,precision", [("onnxruntime", "fp32"), ("onnxruntime", "int4"),
+                                               ("openvino", "fp32"), ("openvino", "int4")])
+def test_attention_window_length_never_changes_a_row(tiny_model_dir, backend, precision):
+    """Attention reads a window of whole blocks, so a verify and the one-token
+    steps it replaces often read windows of different lengths: the masked
+    tail must add exact zeros, bitwise, on every path."""
+    runner = _load(backend, tiny_model_dir("llama"), precision)
+    runner.WINDOW_BLOCK = 16  # several windows within a short test
+    windows = _spy_windows(runner)
+    seq = runner.allocate(60)  # reserved as 64: whole blocks
+    prompt, cont = random_prompt(10, seed=5), random_prompt(45, seed=6)
+    runner.forward(seq, prompt, 0, 1)
+    single = np.stack([runner.forward(seq, [t], 10 + i, 1)[0] for i, t in enumerate(cont)])
+    for start in range(0, 40, 3):
+        for width in (2, 3, 5, 8, 13):
+            if start + width > len(cont):
+                continue
+            runner.truncate(seq, 10 + start)
+            rows = runner.forward(seq, cont[start:start + width], 10 + start, width)
+            assert np.array_equal(rows, single[start:start + width]), (start, width)
+    assert sorted(set(windows)) == [16, 32, 48, 64]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_slab_the_budget_cannot_round_is_read_whole(tiny_model_dir, backend):
+    model = load_model_ir(tiny_model_dir("llama"))
+    runner = REGISTRY.get(backend).load(model, "cpu", "fp32", 40 * model.config.kv_bytes_per_token(4))
+    windows = _spy_windows(runner)
+    seq = runner.allocate(40)  # 64 does not fit: the exact 40
+    runner.forward(seq, random_prompt(5, seed=1), 0, 1)
+    runner.forward(seq, [3], 5, 1)
+    assert windows == [40, 40]
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_one_token_at_the_last_slot_of_a_slab(tiny_model_dir, backend):
     """Quantised one-token calls run as two rows; at a slab's last slot there is
     no room for the discarded row, so that call runs alone (never a write
     past the slab) and still scores like the same token in a wider slab."""
     runner = _load(backend, tiny_model_dir("llama"), "int8")
-    prompt = random_prompt(8, seed=4)
-    tight, roomy = runner.allocate(8), runner.allocate(16)
+    prompt = random_prompt(32, seed=4)
+    tight, roomy = runner.allocate(32), runner.allocate(64)  # whole window blocks: no rounding up
     for seq in (tight, roomy):
-        runner.forward(seq, prompt[:7], 0, 1)
-    last = runner.forward(tight, prompt[7:], 7, 1)
-    wide = runner.forward(roomy, prompt[7:], 7, 1)
-    assert runner.length(tight) == 8
+        runner.forward(seq, prompt[:31], 0, 1)
+    last = runner.forward(tight, prompt[31:], 31, 1)
+    wide = runner.forward(roomy, prompt[31:], 31, 1)
+    assert runner.length(tight) == 32
     np.testing.assert_allclose(last, wide, atol=0.2)
 
 
@@ -147,15 +187,16 @@ def test_smollm2_batch_invariance(smollm2_gguf, backend, precision):
     """On the real model's shapes too (kernel paths depend on them), verify rows equal one-token steps."""
     model = load_model_ir(smollm2_gguf)
     runner = REGISTRY.get(backend).load(model, "cpu", precision, 16 << 20)
+    runner.WINDOW_BLOCK = 16  # single steps and verifies then read windows of different lengths
     text = "Copy exactly: the motor stops after sixty seconds to avoid overheating, then cools for ten minutes."
     ids = model.load_tokenizer()(text)["input_ids"]
-    assert len(ids) >= 14
+    assert len(ids) >= 19
     seq = runner.allocate(64)
-    runner.forward(seq, ids[:6], 0, 1)
-    single = np.stack([runner.forward(seq, [t], 6 + i, 1)[0] for i, t in enumerate(ids[6:14])])
-    for width in (2, 5, 8):
-        runner.truncate(seq, 6)
-        assert np.array_equal(runner.forward(seq, ids[6:6 + width], 6, width), single[:width]), width
+    runner.forward(seq, ids[:8], 0, 1)
+    single = np.stack([runner.forward(seq, [t], 8 + i, 1)[0] for i, t in enumerate(ids[8:19])])
+    for width in (2, 5, 8, 11):  # ends 10..19: windows of 16 and 32 slots
+        runner.truncate(seq, 8)
+        assert np.array_equal(runner.forward(seq, ids[8:8 + width], 8, width), single[:width]), width
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
