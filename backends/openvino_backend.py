@@ -110,6 +110,7 @@ class OpenVINORunner(GraphRunner):
         self._request = self._compiled.create_infer_request()
         self._outputs = list(self._compiled.outputs)
         self._bound: dict | None = None  # the past views bound now (GraphRunner keeps one dict per sequence)
+        self._feed_bufs: dict[str, np.ndarray] = {}  # bound per-step inputs, rewritten in place
 
     def _infer(self, feeds: dict, past: dict) -> list:
         import openvino as ov
@@ -121,8 +122,16 @@ class OpenVINORunner(GraphRunner):
             for name, array in past.items():
                 req.set_tensor(name, ov.Tensor(array, shared_memory=True))
             self._bound = past
-        for name, array in feeds.items():  # the small per-step inputs
-            req.set_tensor(name, ov.Tensor(array, shared_memory=True))
+        for name, array in feeds.items():
+            # The small per-step inputs live in buffers bound once and
+            # rewritten in place while their shape holds (a set_tensor costs
+            # more than the copy); a new shape binds a new buffer.
+            buf = self._feed_bufs.get(name)
+            if buf is None or buf.shape != array.shape:
+                buf = self._feed_bufs[name] = array.copy()
+                req.set_tensor(name, ov.Tensor(buf, shared_memory=True))
+            else:
+                np.copyto(buf, array)
         req.start_async()  # start+wait skips the Python wrapper's dict of all outputs
         req.wait()
         # Views: the runner copies K/V into its slab and slices the logits at once.
