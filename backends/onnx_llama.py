@@ -30,7 +30,7 @@ from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 13  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 15  # part of the cache key: bump when the graph changes
 
 
 class _Builder:
@@ -77,14 +77,13 @@ def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
     return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
 
 
-def _attention(b: _Builder, i: int, Hkv: int, D: int, minus_inf: str) -> str:
-    """softmax(q k^T masked) v for layer i over the window: q `attn_q_{i}`
-    [Hkv, G*T, D] (already scaled), the window with the new rows in place
-    `attn_{k,v}_{i}` [1, Hkv, W, D], the shared `attn_mask` [1, G*T, W]."""
-    k, v = (b.op("Reshape", f"attn_{n}_{i}", b.const([Hkv, -1, D], dtype=np.int64)) for n in "kv")
-    scores = b.op("MatMul", f"attn_q_{i}", b.op("Transpose", k, perm=[0, 2, 1]))
-    probs = b.op("Softmax", b.op("Where", "attn_mask", scores, minus_inf), axis=-1)
-    return b.op("MatMul", probs, v, out=f"attn_out_{i}")
+def _attention(b: _Builder, q: str, k: str, v: str, mask: str, minus_inf: str) -> str:
+    """softmax(q k^T masked) v over the window: q [Hkv, G*T, D] (already
+    scaled), k and v [Hkv, W, D] with the new rows in place, mask
+    [1, G*T, W]; returns [Hkv, G*T, D]."""
+    scores = b.op("MatMul", q, b.op("Transpose", k, perm=[0, 2, 1]))
+    probs = b.op("Softmax", b.op("Where", mask, scores, minus_inf), axis=-1)
+    return b.op("MatMul", probs, v)
 
 
 def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
@@ -113,8 +112,8 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
     visible = b.op("LessOrEqual", k_row, q_col)  # [T, W]
     if cfg.sliding_window:
         visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row), b.const(np.int64(cfg.sliding_window))))
-    b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)), b.op("Concat", i64(G), T, W, axis=0)),
-         i64(1, -1, 0), allowzero=0, out="attn_mask")  # [1, G*T, W]
+    mask = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)), b.op("Concat", i64(G), T, W, axis=0)),
+                i64(1, -1, 0), allowzero=0)  # [1, G*T, W]
     # New keys land at their absolute slots past_len .. past_len + T - 1 of a
     # copy of the window (ScatterElements along the position axis: a copy and
     # T writes, where selecting over all slots read three window-long tensors).
@@ -136,18 +135,17 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         parts = [b.name(n) for n, _ in qkv]
         b.nodes.append(helper.make_node("Split", [y, b.const([c * D for _, c in qkv], dtype=np.int64)], parts,
                                         axis=-1))
-        # q and k as [1, heads, T, D] (the layout OpenVINO's RoPE kernel
-        # takes, transpose folded in); v straight to the slab's [Hkv, T, D].
+        # q, k and v as [1, heads, T, D]: the layout OpenVINO's RoPE kernel
+        # takes (transpose folded in) and the slab's, so new rows scatter as they are.
         heads = {n: b.op("Transpose", b.op("Reshape", part, i64(1, -1, c, D)), perm=[0, 2, 1, 3])
                  for (n, c), part in zip(qkv[:2], parts[:2])}
         new_kv["k"].append(_rope(b, heads["k"], cos, sin, D // 2))
         new_kv["v"].append(b.op("Transpose", b.op("Reshape", parts[2], i64(1, -1, Hkv, D)), perm=[0, 2, 1, 3]))
-        for n in "kv":
-            past = b.op("Slice", f"past_{n}_{i}", i64(0), W, i64(2))  # the window: a copy the scatter may reuse
-            b.op("ScatterElements", past, slots, new_kv[n][-1], axis=2, out=f"attn_{n}_{i}")
-        # q heads grouped by kv head: [Hkv, G*T, D]
-        b.op("Reshape", _rope(b, heads["q"], cos_q, sin_q, D // 2), i64(Hkv, -1, D), out=f"attn_q_{i}")
-        att = b.op("Reshape", _attention(b, i, Hkv, D, minus_inf), i64(H, -1, D))
+        # the window (a copy the scatter may reuse) with the new rows in place
+        k_all, v_all = (b.op("Reshape", b.op("ScatterElements", b.op("Slice", f"past_{n}_{i}", i64(0), W, i64(2)),
+                                             slots, new_kv[n][-1], axis=2), i64(Hkv, -1, D)) for n in "kv")
+        q = b.op("Reshape", _rope(b, heads["q"], cos_q, sin_q, D // 2), i64(Hkv, -1, D))  # grouped by kv head
+        att = b.op("Reshape", _attention(b, q, k_all, v_all, mask, minus_inf), i64(H, -1, D))
         att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
         x = b.op("Add", x, _linear(b, att, weights[p + "self_attn.o_proj.weight"]))
         h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
