@@ -54,7 +54,7 @@ class GraphRunner(PooledRunner):
         # exact slab is read whole on every call.
         block = self.WINDOW_BLOCK
         try:
-            seq = self._alloc.allocate(-(-capacity // block) * block)
+            seq = self._alloc.allocate(_round_up(capacity, block))
         except KVBudgetError:
             seq = self._alloc.allocate(capacity)
         ext = self._alloc.extent(seq)
@@ -93,7 +93,7 @@ class GraphRunner(PooledRunner):
         runtime's shapes then change once a block, not every step); a slab
         that is not whole blocks is always read whole."""
         block = self.WINDOW_BLOCK
-        return reserved if reserved % block else min(reserved, -(-end // block) * block)
+        return reserved if reserved % block else min(reserved, _round_up(end, block))
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()
@@ -106,3 +106,7 @@ class GraphRunner(PooledRunner):
     def kv_buffers(self) -> tuple[np.ndarray]:
         """The pool's memory (for tests that prove rollback moves no data)."""
         return (self._pool,)
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
