@@ -3,6 +3,17 @@
 A backend turns a model IR into a runner on one device. Backends know the IR
 and their own runtime, nothing else. Third-party backends implement the same
 classes and register under the `hetero_sd.backends` entry-point group.
+
+    Backend  required  name, api_version (== API_VERSION)
+                       probe() -> [DeviceInfo]     cheap; [] when the runtime is unusable here
+                       load(model, device, precision, kv_budget_bytes, progress=None) -> Runner
+             optional  load's `progress(i, total, name)`: call it while streaming weights
+    Runner   required  device, precision, vocab_size, max_context
+                       allocate / forward / greedy / truncate / release   (the decode loop)
+                       length / usage                                     (reporting)
+             optional  none: a capability a runner lacks is declared, never faked (a precision
+                       whose multi-token calls round differently says batch_invariant=False,
+                       and results then say "lossless: up to numerics")
 """
 from __future__ import annotations
 

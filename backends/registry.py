@@ -1,9 +1,17 @@
 """Finding backends: built-ins and plugins from the `hetero_sd.backends`
 entry-point group, each checked for API compatibility. A plugin that fails to
 import, declares another API version, lacks the Backend methods or whose probe
-raises is recorded as broken (with the reason and its package), never fatal."""
+raises is recorded as broken (with the reason and its package), never fatal.
+
+A backend that is not installed as a package (one being written, or the fake
+backend of hetero_sd.testing) is named in the environment instead, and reaches
+worker processes the same way:
+
+    HETERO_SD_BACKENDS="fake=hetero_sd.testing.fake_backend:FakeBackend,mine=my_pkg.backend:MyBackend"
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
@@ -11,11 +19,10 @@ from hetero_sd.backends.base import API_VERSION, Backend
 from hetero_sd.ir.errors import BackendError
 
 GROUP = "hetero_sd.backends"
+ENV = "HETERO_SD_BACKENDS"  # comma-separated name=module:Class, loaded like plugins
 BUILTINS = {"torch": "hetero_sd.backends.torch_backend:TorchBackend",
             "onnxruntime": "hetero_sd.backends.ort_backend:OrtBackend",
-            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend",
-            # Sees no device unless HETERO_SD_FAKE_BACKEND configures some (tests).
-            "fake": "hetero_sd.backends.fake_backend:FakeBackend"}
+            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend"}
 
 
 @dataclass
@@ -75,4 +82,11 @@ def discover() -> Registry:
         builtin = BUILTINS.get(name) == ep.value
         _instantiate(name, lambda ep=ep: ep.load()(), registry,
                      origin="" if builtin else _origin(ep), probe=not builtin)
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+        name, _, spec = item.partition("=")
+        if not name or ":" not in spec:
+            registry.broken[name or item] = f"[{ENV}] {item!r} is not name=module:Class"
+            continue
+        _instantiate(name.strip(), lambda spec=spec.strip(): _load(spec)(), registry,
+                     origin=f"[{ENV}: {spec.strip()}] ", probe=True)
     return registry

@@ -34,16 +34,15 @@ BACKENDS = {
 
 def available(keys: list[str]) -> list[str]:
     """The keys whose backend, device and precision this host has (probes only)."""
-    from hetero_sd.backends.registry import discover
-    from hetero_sd.builder import check_placement
-    from hetero_sd.config import ModelPlacement
+    from hetero_sd.drafting.specs import ModelSpec
     from hetero_sd.errors import HeteroSDError
+    from hetero_sd.loading import Loader
 
-    registry, keep = discover(), []
+    load, keep = Loader(), []
     for key in keys:
         backend, device, precision = BACKENDS[key]
         try:
-            check_placement(registry, ModelPlacement(backend=backend, device=device, precision=precision), key)
+            load.check(ModelSpec("", backend, device, precision, role=key))
             keep.append(key)
         except HeteroSDError as exc:
             print(f"left out {key}: {exc}", file=sys.stderr)

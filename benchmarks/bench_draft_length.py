@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from hetero_sd.bench.common import WARMUP_PROMPT
 from hetero_sd.bench.prompts import load_prompts
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.config import load_config
 from hetero_sd.scheduler.draft_length import FixedDraftLength
 

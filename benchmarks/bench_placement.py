@@ -22,7 +22,7 @@ import sys
 import time
 
 from hetero_sd.bench.prompts import load_prompts
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.config import PACKAGED, load_config
 
 

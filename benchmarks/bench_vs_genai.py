@@ -31,7 +31,7 @@ from hetero_sd.bench.genai_peer import EXACT_HINTS, _config, _generate, _import,
 from hetero_sd.bench.ours import _sample as our_sample
 from hetero_sd.bench.prompts import load_prompts
 from hetero_sd.bench.runner import BenchOptions, _workload
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.config import load_config, resolve_model
 
 GENAI = "genai-exact plain"

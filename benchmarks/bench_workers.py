@@ -26,11 +26,12 @@ from dataclasses import replace
 
 from hetero_sd.bench.prompts import load_prompts
 from hetero_sd.config import default_model_path
-from hetero_sd.drafters import ModelDrafter
+from hetero_sd.drafting.build import build_drafter
+from hetero_sd.drafting.remote import RemoteDrafter, WorkerStats
+from hetero_sd.drafting.specs import ModelSpec, WorkerSpec
 from hetero_sd.engine import Engine
 from hetero_sd.ir.model import load_model_ir
-from hetero_sd.worker_specs import ModelSpec, load_model
-from hetero_sd.workers import RemoteDrafter, WorkerStats
+from hetero_sd.loading import Loader
 
 
 def _cpu_s(pid: int | None) -> float:
@@ -120,7 +121,8 @@ def main(argv: list[str]) -> int:
     model = args.model or str(default_model_path())
     target_spec, draft_spec = _spec(args.target, model), _spec(args.draft, model)
     target_ir = load_model_ir(target_spec.model)
-    target = load_model(target_spec, "target")
+    load = Loader()
+    target = load(replace(target_spec, role="target"))
     tokenizer = target_ir.load_tokenizer()
     grounded, open_ = load_prompts(kinds=["grounded"]), load_prompts(kinds=["open"])
     picked = [p for pair in zip(grounded, open_) for p in pair][:args.prompts]
@@ -130,12 +132,12 @@ def main(argv: list[str]) -> int:
           f"({', '.join(p.id for p in picked)}), {args.max_new_tokens} new tokens each", file=sys.stderr)
 
     configs = [("target-only", None),
-               ("in-process", ModelDrafter(load_model(draft_spec), target.vocab_size))]
+               ("in-process", build_drafter(draft_spec, target.vocab_size, load))]
     for transport in [t.strip() for t in args.transports.split(",") if t.strip()]:
         for mode in ("sync", "async"):
             configs.append((f"worker {transport} {mode}",
-                            RemoteDrafter(draft_spec, target.vocab_size, transport=transport, mode=mode,
-                                          threads=args.worker_threads)))
+                            build_drafter(WorkerSpec(draft_spec, transport, mode, threads=args.worker_threads),
+                                          target.vocab_size)))
     rows, baseline = [], None
     try:
         for name, drafter in configs:

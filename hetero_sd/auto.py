@@ -1,5 +1,7 @@
 """`placement: auto`: from a config with free fields to a plan, and from the
-plan to runners, a drafter, a draft-length policy and a failover chain.
+plan to the same spec tree a manual config makes (spec.EngineSpec), plus a
+draft-length policy and PlanFallback, which is both the failover chain and
+the re-planner on acceptance drift.
 
 A field the YAML sets is pinned; one it leaves out (or sets to "auto") is the
 splitter's to choose. The profile behind the plan is measured once per host,
@@ -9,25 +11,26 @@ automatic run on a machine pays for it.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from hetero_sd.backends.registry import Registry
 from hetero_sd.config import Config
+from hetero_sd.drafting.build import build_drafter
+from hetero_sd.drafting.specs import ModelSpec, NgramSpec
 from hetero_sd.errors import BackendError
-from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload, replan,
-                                 replan_if_drifted)
+from hetero_sd.loading import Loader
+from hetero_sd.profiler import auto_plan
+from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
+                                 replan, replan_if_drifted)
+from hetero_sd.spec import EngineSpec, model_path
 
 
-def _pinned(section, registry: Registry) -> Placement | None:
+def _pinned(section, load: Loader) -> Placement | None:
     """The part of a placement the user fixed, "auto" for the rest."""
-    from hetero_sd.builder import check_placement
-
     given = section.model_fields_set
     backend = section.backend if "backend" in given and section.backend != "auto" else "auto"
     device = section.device if "device" in given and section.device != "auto" else "auto"
     precision = section.precision if "precision" in given and section.precision != "auto" else "auto"
     if backend != "auto" and device != "auto":
-        info, prec = check_placement(registry, section, "placement")
+        info, prec = load.check(ModelSpec("", section.backend, section.device, section.precision, role="placement"))
         device = info.device
         precision = prec.name if precision != "auto" else "auto"
     if (backend, device, precision) == ("auto", "auto", "auto"):
@@ -35,18 +38,21 @@ def _pinned(section, registry: Registry) -> Placement | None:
     return Placement(backend, device, precision)
 
 
-def constraints(cfg: Config, registry: Registry) -> Constraints:
+def constraints(cfg: Config, load: Loader) -> Constraints:
     d = cfg.drafter
-    return Constraints(target=_pinned(cfg.target, registry),
+    return Constraints(target=_pinned(cfg.target, load),
                        drafter=None if d.kind == "auto" else d.kind,
-                       draft_placement=_pinned(d, registry) if d.kind in ("auto", "model") else None,
+                       draft_placement=_pinned(d, load) if d.kind in ("auto", "model") else None,
                        k=None if d.k == "auto" else d.k)
 
 
 class PlanFallback:
-    """Failover along the plan's ranking: a failed device is excluded and the
+    """A failover.Fallback and failover.Replanner that follow the plan.
+
+    Failover along the plan's ranking: a failed device is excluded and the
     best remaining candidate takes the role (the target stays put when only
-    the drafter failed, so the output stays exact to the same numerics)."""
+    the drafter failed, so the output stays exact to the same numerics).
+    Re-planning: on_round watches acceptance and plans again when it drifts."""
 
     CHECK_EVERY = 32  # rounds between drift checks
 
@@ -108,34 +114,33 @@ def _device_key(runner) -> str:
     return f"{runner.device.backend}:{runner.device.device}"
 
 
-def build_auto(cfg: Config, registry: Registry, target_path: Path, draft_path: Path | None, loader,
-               progress: bool):
-    """(target runner, drafter, policy, fallback, plan). `loader(placement, path, role)`
-    loads a runner; draft_path is the draft model for kind auto/model."""
-    from hetero_sd.drafters import ModelDrafter, NgramDrafter
-    from hetero_sd.profiler import auto_plan
-
+def plan_engine(cfg: Config, load: Loader):
+    """(EngineSpec, draft-length policy, PlanFallback, plan) for placement: auto."""
     d = cfg.drafter
-    plan = auto_plan(target_path, draft_path if d.kind in ("auto", "model") else None,
-                     constraints=constraints(cfg, registry), acceptance=dict(cfg.auto.acceptance) or None,
-                     k_max=d.k_max, workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
+    target_path = model_path(cfg, cfg.target.model)
+    draft_path = model_path(cfg, d.model) if d.kind in ("auto", "model") else None
+    plan = auto_plan(target_path, draft_path, constraints=constraints(cfg, load),
+                     acceptance=dict(cfg.auto.acceptance) or None, k_max=d.k_max,
+                     workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
                      backends=cfg.auto.backends or None, precisions=cfg.auto.precisions or None,
-                     quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=progress, registry=registry)
-    target = loader(plan.best.target, target_path, "target")
+                     quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=load.progress,
+                     registry=load.registry)
 
-    def make_drafter(candidate):
+    def model_spec(path: str, placement: Placement, role: str) -> ModelSpec:
+        return ModelSpec(path, placement.backend, placement.device, placement.precision, cfg.memory.kv_budget, role)
+
+    def drafter_spec(candidate):
         if candidate.drafter == "ngram":
-            return NgramDrafter(d.min_ngram, d.max_ngram)
-        runner = loader(candidate.draft_placement, draft_path, "draft model")
-        return ModelDrafter(runner, target.vocab_size, f"draft model {Path(draft_path).name}")
+            return NgramSpec(d.min_ngram, d.max_ngram)
+        return model_spec(draft_path, candidate.draft_placement, "draft model")
 
-    spec = plan.best if plan.best.k > 0 else None
-    if spec is None and d.k == "auto":  # an adaptive k may turn speculation on later
-        spec = plan.speculative_for(plan.best.target)
-    drafter = None if spec is None else make_drafter(spec)
-    if d.k == "auto":
-        policy = plan.adaptive_policy()
-    else:
-        policy = FixedDraftLength(d.k)
-    fallback = PlanFallback(plan, lambda placement: loader(placement, target_path, "target"), make_drafter)
-    return target, drafter, policy, fallback, plan
+    vocab = load.ir(target_path).config.vocab_size
+    fallback = PlanFallback(plan, lambda placement: load(model_spec(target_path, placement, "target")),
+                            lambda candidate: build_drafter(drafter_spec(candidate), vocab, load))
+    chosen = plan.best if plan.best.k > 0 else None
+    if chosen is None and d.k == "auto":  # an adaptive k may turn speculation on later
+        chosen = plan.speculative_for(plan.best.target)
+    spec = EngineSpec(model_spec(target_path, plan.best.target, "target"),
+                      None if chosen is None else drafter_spec(chosen), d.k, d.k_max)
+    policy = plan.adaptive_policy() if d.k == "auto" else FixedDraftLength(d.k)
+    return spec, policy, fallback, plan

@@ -9,9 +9,8 @@ from hetero_sd.errors import GenerationError, HeteroSDError
 
 
 def _generate(args) -> int:
-    from hetero_sd.builder import build_engine
     from hetero_sd.config import load_config
-
+    from hetero_sd.engine import Engine
     from hetero_sd.sampling import SamplingParams
 
     # Check the flags first, so an error names the flag rather than the config file.
@@ -25,7 +24,7 @@ def _generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise HeteroSDError("no prompt: pass --prompt TEXT or pipe text on stdin")
-    engine = build_engine(cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
+    engine = Engine.from_config(cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
     if args.explain:
         print(engine.plan.explain() if engine.plan is not None else
               "placement: manual (the config fixes every placement; set placement: auto to let "

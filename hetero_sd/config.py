@@ -34,7 +34,7 @@ class ModelPlacement(_Section):
 
 
 # Where a drafter (or a cascade stage) runs: `process: worker` is its own process,
-# started and supervised by the engine (hetero_sd/workers.py), reached over `transport`.
+# started and supervised by the engine (hetero_sd/drafting/remote.py), reached over `transport`.
 Process = Literal["inproc", "worker"]
 Transport = Literal["shm", "tcp", "pipe"]
 Mode = Literal["sync", "async"]  # async: the worker drafts ahead while the target verifies

@@ -1,16 +1,20 @@
-"""The engine: the speculative loop and the public `Engine` API.
+"""The engine: the speculative round loop and the public `Engine` API.
 
 One round: the drafter proposes k tokens; the target scores the last
 committed token plus the drafts in one call (k+1 positions); the longest
 prefix of drafts equal to the target's own greedy choices is accepted, and
-the target's next token after it (the bonus) is committed too. Both caches
-then roll back to the committed length, which is a length change in each
-backend's pool. Target-only decoding is the same loop with no drafts, so the
-two share every line that could make them differ.
+the target's next token after it (the bonus) is committed too. The target's
+cache then rolls back to the committed length, a length change in its pool
+(the drafter re-syncs its own from the next request's delta). Target-only
+decoding is the same loop with no drafts, so the two share every line that
+could make them differ.
 
 With temperature > 0 the round is the same except for acceptance: modified
 rejection sampling (hetero_sd/sampling.py) replaces the greedy comparison, so
 committed tokens follow the target's distribution exactly.
+
+Device failures and re-planning never reach the loop: the target and the
+drafter are wrapped (hetero_sd/failover.py).
 """
 from __future__ import annotations
 
@@ -19,12 +23,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetero_sd.backends.base import Runner
-from hetero_sd.drafters import Drafter
+from hetero_sd.drafting.base import Drafter
 from hetero_sd.errors import GenerationError
-from hetero_sd.failover import Fallback, NoFallback, describe, is_device_failure
-from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, VerifyRequest, VerifyResult
-from hetero_sd.sampling import Sampler, SamplingParams
+from hetero_sd.failover import Fallback, FailoverDrafter, FailoverRunner, NoFallback, Replanner
+from hetero_sd.ir.work import DraftRequest, VerifyRequest, VerifyResult
+from hetero_sd.sampling import Sampler, SamplingParams, accept_greedy
 from hetero_sd.scheduler import FixedDraftLength
 from hetero_sd.stats import GenerationStats
 from hetero_sd.stopping import StopChecker
@@ -40,38 +43,50 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
-def accept_greedy(req: VerifyRequest, target_ids: list[int]) -> VerifyResult:
-    """target_ids[i] is the target's choice after req.tokens[i]; keep drafts while they agree."""
-    drafts = req.tokens[1:]
-    a = 0
-    while a < len(drafts) and drafts[a] == target_ids[a]:
-        a += 1
-    return VerifyResult(req.seq_id, a, drafts[:a] + [target_ids[a]])
-
-
 class Engine:
-    def __init__(self, target: Runner, drafter: Drafter | None = None, k: int = 5,
-                 tokenizer=None, eos_ids: tuple[int, ...] = (), max_new_tokens: int = 128,
-                 stop: tuple[str, ...] = (), chat_template: bool = False,
-                 sampling: SamplingParams = SamplingParams(), fallback: Fallback | None = None,
-                 policy=None):
-        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.fallback = fallback or NoFallback()  # who takes over when a device fails
+    """`target` is a Runner, `drafter` a Drafter (or None). `fallback` replaces
+    a failed device, `replanner` a drafter whose acceptance drifted; a
+    replacement serves later requests too (hetero_sd/failover.py)."""
+
+    def __init__(self, target, drafter: Drafter | None = None, k: int = 5, tokenizer=None,
+                 eos_ids: tuple[int, ...] = (), max_new_tokens: int = 128, stop: tuple[str, ...] = (),
+                 chat_template: bool = False, sampling: SamplingParams = SamplingParams(),
+                 fallback: Fallback | None = None, policy=None, replanner: Replanner | None = None, plan=None):
+        fallback = fallback or NoFallback()
+        self._target = FailoverRunner(target, fallback)
+        self._drafter = FailoverDrafter(drafter, fallback, replanner)
+        self.tokenizer = tokenizer
         self.sampling = sampling  # the default for requests that do not pass their own
         # How far ahead to draft: FixedDraftLength, or an AdaptiveDraftLength
         # (hetero_sd.scheduler) fed with acceptance and timings after each round.
         self.policy = policy or FixedDraftLength(k)
-        self.plan = None  # the splitter's plan when placement was automatic (see builder)
+        self.plan = plan  # the splitter's plan when placement was automatic
         self.eos_ids = set(eos_ids)
         self.max_new_tokens, self.stop, self.chat_template = max_new_tokens, list(stop), chat_template
 
-    @classmethod
-    def from_config(cls, path: str | Path | None = None, progress: bool = False, **overrides) -> "Engine":
-        """Build from a YAML file (None: the packaged default, configs/cpu.yaml)."""
-        from hetero_sd.builder import build_engine
-        from hetero_sd.config import load_config
+    @property
+    def target(self):
+        """The live target runner (a failover's replacement once one happened)."""
+        return self._target.current
 
-        return build_engine(load_config(path, overrides), progress=progress)
+    @property
+    def drafter(self) -> Drafter | None:
+        """The drafter requests start with (a failover's or re-plan's replacement once one happened)."""
+        return self._drafter.current
+
+    @classmethod
+    def from_config(cls, config=None, progress: bool = False, **overrides) -> "Engine":
+        """Build from a YAML file or a loaded Config (None: the packaged default, configs/cpu.yaml).
+        `overrides` are dotted keys, e.g. {"generation.max_new_tokens": 32}."""
+        from hetero_sd.build import engine_arguments
+        from hetero_sd.config import Config, load_config
+
+        cfg = config if isinstance(config, Config) else load_config(config, overrides)
+        return cls(**engine_arguments(cfg, progress=progress))
+
+    def close(self) -> None:
+        """Stop worker processes the drafter holds (also done when the process exits)."""
+        self._drafter.close()
 
     # ------------------------------------------------------------ text API
     def encode(self, prompt: str, chat_template: bool | None = None) -> list[int]:
@@ -100,69 +115,71 @@ class Engine:
         return dataclasses.replace(sampling or self.sampling,
                                    **{k: v for k, v in overrides.items() if v is not None})
 
-    # ------------------------------------------------------------ the loop
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      target_only: bool = False, stop: list[str] | None = None,
                      sampling: SamplingParams | None = None, **sampling_overrides) -> GenerationResult:
         params = self._params(sampling, sampling_overrides)
-        drafter = None if target_only else self.drafter
+        speculate = not target_only and self.drafter is not None
         n = len(prompt_ids)
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if n == 0:
             raise GenerationError("the prompt is empty")
         if budget < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {budget}")
-        if n >= self.target.max_context:
+        if n >= self._target.max_context:
             raise GenerationError(f"the prompt has {n} tokens but the target's context holds "
-                                  f"{self.target.max_context}; shorten the prompt")
-        stats = GenerationStats(mode="target-only" if drafter is None else drafter.name, prompt_tokens=n,
+                                  f"{self._target.max_context}; shorten the prompt")
+        stats = GenerationStats(mode=self._drafter.name if speculate else "target-only", prompt_tokens=n,
                                 sampling=params.describe())
         stopper = StopChecker(budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
-        if drafter is not None:
+        if speculate:
             self.policy.reset()  # acceptance is per request; learnt costs are kept
-        run = _Run(self, drafter, None if params.greedy else Sampler(params), stopper, stats, list(prompt_ids))
-        t_start = time.perf_counter()
+        run = _Run(self._target, self._drafter if speculate else None, self.policy,
+                   None if params.greedy else Sampler(params), stopper, stats, list(prompt_ids))
         try:
-            run.prefill()
-            stats.prefill_s = time.perf_counter() - t_start
-            run.loop()
+            run.run()
         except GenerationError as exc:
-            exc.partial = run.result(time.perf_counter() - t_start)  # output produced so far is kept
+            exc.partial = run.close()  # output produced so far is kept
             raise
-        finally:
-            run.close()
-        return run.result(time.perf_counter() - t_start)
+        return run.close()
 
 
 class _Run:
-    """One request's state: the committed context, the target's sequence and
-    position, the drafter's sync point. Devices may be swapped mid-run."""
+    """One request: the committed context, the target's sequence and position,
+    and how much of the context the drafter has been told."""
 
-    def __init__(self, engine: Engine, drafter, sampler, stopper, stats, prompt: list[int]):
-        self.engine, self.drafter, self.sampler = engine, drafter, sampler
-        self.stopper, self.stats, self.prompt = stopper, stats, prompt
-        self.context = list(prompt)
+    def __init__(self, target: FailoverRunner, drafter: FailoverDrafter | None, policy, sampler: Sampler | None,
+                 stopper: StopChecker, stats: GenerationStats, prompt: list[int]):
+        self.target, self.drafter, self.policy, self.sampler = target, drafter, policy, sampler
+        self.stopper, self.stats, self.prompt, self.context = stopper, stats, prompt, list(prompt)
         # Drafts are capped at the tokens still wanted, so no verify writes past
         # position n + budget - 2: the prompt plus the budget always suffices.
-        self.capacity = min(len(prompt) + stopper.max_new_tokens, engine.target.max_context)
-        self.target, self.seq = engine.target, engine.target.allocate(self.capacity)
-        self.pos = self.synced = 0  # positions in the target cache; tokens the drafter knows
-        self._mark_numerics()
+        self.capacity = min(len(prompt) + stopper.max_new_tokens, target.max_context)
+        self.t_start = time.perf_counter()
+        self.seq = target.allocate(self.capacity)
+        self.pos = self.synced = 0  # positions in the target's cache; tokens the drafter was told
 
-    def _mark_numerics(self) -> None:
-        if not self.target.precision.batch_invariant:
-            self.stats.lossless = "up to numerics"
-
-    # ---------------------------------------------------------------- target
-    def prefill(self) -> None:
+    def run(self) -> None:
+        """Prefill, then rounds of draft, verify, accept, commit (rollback is in _verify)."""
         if self.drafter is not None:
-            try:
-                self.drafter.begin(self.capacity, self.sampler)
-            except Exception as exc:
-                self._drafter_failed(exc)
-        logits = self._on_target(lambda: self._score(self.prompt, 0, 1))
+            self.drafter.begin(self.capacity, self.sampler)
+        first = self._score(self.prompt, 0, 1)[0]
         self.pos = len(self.prompt)
-        self.cur = logits[0]
+        self.stats.prefill_s = time.perf_counter() - self.t_start
+        if self._commit([first if self.sampler is None else self.sampler.draw_target(first)]):
+            return
+        while self.pos < self.capacity:  # room to score another position
+            speculating = self.drafter is not None and self.drafter.active
+            # The bonus token is free: with r tokens left, r - 1 drafts suffice.
+            k = min(self.policy.next_k(self.stopper.max_new_tokens - len(self.stopper.tokens) - 1),
+                    self.capacity - self.pos - 1) if speculating else 0
+            drafts, draft_probs, draft_s = self._draft(k) if k > 0 else ([], None, None)
+            t0 = time.perf_counter()
+            result = self._verify(drafts, draft_probs)
+            self._account(speculating, len(drafts), result.accepted, draft_s, time.perf_counter() - t0)
+            if self._commit(result.tokens):
+                return
+        self.stopper.reason = "context"
 
     def _score(self, tokens: list[int], start: int, n: int):
         """The target's next token after each of the last n tokens (greedy ids,
@@ -171,132 +188,43 @@ class _Run:
             return self.target.greedy(self.seq, tokens, start, n)
         return self.sampler.probs(self.target.forward(self.seq, tokens, start, n))
 
-    def _on_target(self, call):
-        while True:
-            try:
-                return call()
-            except Exception as exc:
-                if not is_device_failure(exc):
-                    raise
-                self._target_failed(exc)
-
-    def _target_failed(self, exc: BaseException) -> None:
-        failed = self.target
-        replacement = self.engine.fallback.next_target(failed, exc)
-        self.stats.events.append(f"target {_where(failed)} failed: {describe(exc)}")
-        if replacement is None:
-            raise GenerationError(f"the target on {_where(failed)} failed ({describe(exc)}) and no other "
-                                  f"device can take it; {len(self.stopper.tokens)} tokens were produced "
-                                  "before the failure") from exc
-        try:
-            failed.release(self.seq)
-        except Exception:  # a dead device may not even release; its pool goes with it
-            pass
-        self.target, self.engine.target = replacement, replacement
-        self.seq = replacement.allocate(self.capacity)
-        self._mark_numerics()
-        n = len(self.prompt)  # replay exactly as the failed target saw it: prefill, then verify-shaped
-        replacement.forward(self.seq, self.prompt, 0, 1)
-        if self.pos > n:
-            replacement.forward(self.seq, self.context[n:self.pos], n, self.pos - n)
-        self.stats.events.append(f"target moved to {_where(replacement)}; {self.pos} positions replayed")
-
-    # ---------------------------------------------------------------- drafter
     def _draft(self, k: int):
-        """(drafts, their distributions or None, seconds or None if the drafter failed)."""
+        """(drafts, their distributions or None, seconds)."""
         t0 = time.perf_counter()
-        try:
-            proposal = self.drafter.draft(DraftRequest(self.seq, self.synced, k, self.context[self.synced:]))
-        except Exception as exc:
-            self.stats.draft_s += time.perf_counter() - t0
-            self._drafter_failed(exc)
-            return [], None, None
+        proposal = self.drafter.draft(DraftRequest(self.seq, self.synced, k, self.context[self.synced:]))
         seconds = time.perf_counter() - t0
         self.stats.draft_s += seconds
         self.synced = len(self.context)
         drafts = proposal.tokens[:k]
         return drafts, None if proposal.probs is None else proposal.probs[:len(drafts)], seconds
 
-    def _drafter_failed(self, exc: BaseException) -> None:
-        failed, self.drafter = self.drafter, None
-        self.stats.events.append(f"drafter {failed.name} failed: {describe(exc)}")
-        try:
-            failed.reset()
-        except Exception:
-            pass
-        replacement = self.engine.fallback.next_drafter(failed, exc)
-        if replacement is not None:
-            try:
-                replacement.begin(self.capacity, self.sampler)
-            except Exception as again:
-                self.drafter = replacement
-                return self._drafter_failed(again)
-            self.drafter, self.synced = replacement, 0
-            self.engine.drafter = replacement
-        self.stats.events.append(f"drafting continues with {replacement.name if replacement else 'none'}")
-
-    def _replan(self, drafted: int, accepted: int) -> None:
-        """Let the plan (placement: auto) swap the drafter when acceptance drifted."""
-        on_round = getattr(self.engine.fallback, "on_round", None)
-        replacement = on_round(drafted, accepted) if on_round is not None and drafted else None
-        if replacement is None or self.drafter is None:
-            return
-        old = self.drafter
-        try:
-            replacement.begin(self.capacity, self.sampler)
-        except Exception as exc:
-            self.stats.events.append(f"re-plan to {replacement.name} failed at start: {describe(exc)}")
-            return
-        old.reset()
-        self.drafter = self.engine.drafter = replacement
-        self.synced = 0
-        self.stats.events.append(f"acceptance drifted: drafter {old.name} -> {replacement.name}")
-
-    # ---------------------------------------------------------------- rounds
-    def loop(self) -> None:
-        stopper, stats, policy = self.stopper, self.stats, self.engine.policy
-        if self._commit([self._token(self.cur)]):
-            return
-        while True:
-            if self.pos >= self.capacity:  # no room to score another position
-                stopper.reason = "context"
-                return
-            drafts, draft_probs, draft_s = [], None, None
-            speculating = self.drafter is not None
-            if speculating:
-                # The bonus token is free: with r tokens left, r - 1 drafts suffice.
-                k = min(policy.next_k(stopper.max_new_tokens - len(stopper.tokens) - 1),
-                        self.capacity - self.pos - 1)
-                if k > 0:
-                    drafts, draft_probs, draft_s = self._draft(k)
-            events, t0 = len(stats.events), time.perf_counter()
-            result = self._on_target(lambda: self._verify(drafts, draft_probs))
-            verify_s = time.perf_counter() - t0
-            stats.verify_s += verify_s
-            stats.rounds += 1
-            stats.drafted += len(drafts)
-            stats.accepted += result.accepted
-            if speculating:  # a round with a device swap in it teaches no cost
-                clean = len(stats.events) == events
-                policy.observe(len(drafts), result.accepted, draft_s=draft_s if clean else None,
-                               verify_s=verify_s if clean else None)
-                self._replan(len(drafts), result.accepted)
-            if self._commit(result.tokens):
-                return
-
     def _verify(self, drafts: list[int], draft_probs) -> VerifyResult:
         req = VerifyRequest(self.seq, self.pos, [self.context[-1]] + drafts)
         scored = self._score(req.tokens, req.start, len(req.tokens))
         if self.sampler is None:
-            result = accept_greedy(req, scored)
+            accepted, tokens = accept_greedy(drafts, scored)
         else:
             accepted, tokens = self.sampler.accept(drafts, scored, draft_probs)
-            result = VerifyResult(req.seq_id, accepted, tokens)
-        self.target.truncate(self.seq, self.pos + result.accepted + 1)
-        return result
+        self.target.truncate(self.seq, self.pos + accepted + 1)  # rollback: a length change
+        return VerifyResult(req.seq_id, accepted, tokens)
 
-    def _token(self, scored) -> int:
-        return scored if self.sampler is None else self.sampler.draw_target(scored)
+    def _account(self, speculating: bool, drafted: int, accepted: int, draft_s, verify_s: float) -> None:
+        stats = self.stats
+        stats.verify_s += verify_s
+        stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, \
+            stats.accepted + accepted
+        if self._take_events() or not speculating:
+            draft_s = verify_s = None  # a round with a device swap in it teaches no cost
+        if speculating:
+            self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
+            self.drafter.observe(drafted, accepted)
+
+    def _take_events(self) -> list[str]:
+        events = self.target.take_events() + (self.drafter.take_events() if self.drafter is not None else [])
+        self.stats.events += events
+        if not self.target.precision.batch_invariant:
+            self.stats.lossless = "up to numerics"
+        return events
 
     def _commit(self, tokens: list[int]) -> bool:
         """Append committed tokens; True when generation is over."""
@@ -307,23 +235,21 @@ class _Run:
         self.pos = len(self.context) - 1  # the newest token is fed with the next verify
         return False
 
-    def result(self, elapsed: float) -> GenerationResult:
+    def close(self) -> GenerationResult:
+        """Free the sequence and the drafter's state; the result so far."""
+        self.target.release(self.seq)
+        if self.drafter is not None:
+            self.drafter.reset()
+        self._take_events()
         stats = self.stats
-        stats.total_s, stats.new_tokens, stats.finish_reason = elapsed, len(self.stopper.tokens), self.stopper.reason
+        stats.total_s, stats.new_tokens = time.perf_counter() - self.t_start, len(self.stopper.tokens)
+        stats.finish_reason = self.stopper.reason
         return GenerationResult(self.stopper.text(), list(self.stopper.tokens), stats)
 
-    def close(self) -> None:
-        for release in (lambda: self.target.release(self.seq),
-                        lambda: self.drafter is not None and self.drafter.reset()):
-            try:
-                release()
-            except Exception:
-                if not self.stats.events:  # after a device failure, its cleanup may fail too
-                    raise
+
+def build_engine(cfg, progress: bool = False) -> Engine:
+    """An Engine from a loaded Config (Engine.from_config also takes a path)."""
+    return Engine.from_config(cfg, progress=progress)
 
 
-def _where(runner) -> str:
-    return f"{getattr(runner.device, 'backend', '?')}:{getattr(runner.device, 'device', '?')}"
-
-
-__all__ = ["Engine", "GenerationResult", "accept_greedy", "MAX_DRAFT_TOKENS"]
+__all__ = ["Engine", "GenerationResult", "build_engine"]

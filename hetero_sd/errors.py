@@ -7,3 +7,8 @@ from hetero_sd.ir.errors import (  # noqa: F401
     KVBudgetError,
     ModelLoadError,
 )
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an event log: the error's class and message, bounded."""
+    return f"{type(exc).__name__}: {exc}"[:300]

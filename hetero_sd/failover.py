@@ -1,27 +1,46 @@
-"""What the engine does when a device fails mid-generation.
+"""What happens when a device fails mid-generation: wrappers around the Runner
+and the Drafter, so the engine's round loop never sees a failure.
 
-A failing drafter costs speed, never output: the round's drafts are dropped
-and the engine asks its fallback for the next drafter (or goes on with the
-target alone). A failing target is replaced by the fallback's next target,
-which replays the committed tokens into its own cache (the prompt as a
-prefill, the generated tokens as one verify-shaped call, exactly as the
-failed target had seen them), so a batch-invariant replacement continues
-token-identically. With no replacement left, the request ends with a
-GenerationError that carries every token already produced.
+A failing drafter costs speed, never output: FailoverDrafter drops it for the
+rest of the request (its draft is empty) and asks the Fallback for a
+replacement, which starts from the whole committed context. A failing target
+is replaced by FailoverRunner with the Fallback's next runner, which replays
+every live sequence into its own cache exactly as the failed one had seen it
+(the first call as a prefill, the rest as one verify-shaped call), so a
+batch-invariant replacement continues token-identically. With no replacement
+left, the call raises GenerationError and the engine attaches the output so
+far.
+
+Failover persists, by design: a replacement serves later requests too (a dead
+device is not tried again); `Engine.target` / `Engine.drafter` name the live
+ones. A drafter dropped without a replacement is tried again at the next
+request (a worker drafter restarts its process). Each wrapper keeps the events
+it caused until the engine takes them into the request's stats.
+
+Re-planning on acceptance drift (placement: auto) is the Replanner
+interface, called by FailoverDrafter.observe after every speculative round.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from hetero_sd.errors import ConfigError, GenerationError, KVBudgetError
+from hetero_sd.drafting.base import Drafter, apply_delta
+from hetero_sd.errors import ConfigError, GenerationError, KVBudgetError, describe
+from hetero_sd.ir.work import DraftRequest, DraftResult
 
 
 class Fallback(Protocol):
-    def next_drafter(self, failed, error: BaseException):
+    def next_drafter(self, failed, error: BaseException) -> Drafter | None:
         """A replacement Drafter (already built), or None to go on without drafts."""
 
     def next_target(self, failed, error: BaseException):
         """A replacement Runner, or None when no other device can take the target."""
+
+
+class Replanner(Protocol):
+    def on_round(self, drafted: int, accepted: int) -> Drafter | None:
+        """Fed every speculative round; a new drafter when the plan changed, else None."""
 
 
 class NoFallback:
@@ -49,7 +68,7 @@ class RankedFallback:
             try:
                 made = factory()
             except Exception as exc:  # the next device may be dead too: keep going
-                self.log.append(f"{label} unavailable: {type(exc).__name__}: {exc}")
+                self.log.append(f"{label} unavailable: {describe(exc)}")
                 continue
             self.log.append(f"switched to {label}")
             return made
@@ -68,5 +87,221 @@ def is_device_failure(exc: BaseException) -> bool:
     return isinstance(exc, Exception) and not isinstance(exc, (ConfigError, GenerationError, KVBudgetError))
 
 
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300]
+def where(runner) -> str:
+    return f"{getattr(runner.device, 'backend', '?')}:{getattr(runner.device, 'device', '?')}"
+
+
+@dataclass
+class _Seq:
+    inner: int  # the sequence's id in the current runner
+    capacity: int
+    tokens: list[int] = field(default_factory=list)  # what the cache holds, position by position
+    first: int = 0  # tokens of the call that started at position 0 (replayed as a prefill)
+
+
+class FailoverRunner:
+    """A Runner (backends.base.Runner) that outlives its device."""
+
+    def __init__(self, runner, fallback: Fallback):
+        self.current, self.fallback = runner, fallback
+        self.events: list[str] = []
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 0
+
+    device = property(lambda self: self.current.device)
+    precision = property(lambda self: self.current.precision)
+    vocab_size = property(lambda self: self.current.vocab_size)
+    max_context = property(lambda self: self.current.max_context)
+
+    def take_events(self) -> list[str]:
+        events, self.events = self.events, []
+        return events
+
+    def _guarded(self, call):
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if not is_device_failure(exc):
+                    raise
+                self._move(exc)
+
+    def allocate(self, capacity: int) -> int:
+        inner = self._guarded(lambda: self.current.allocate(capacity))
+        self._next_id += 1
+        self._seqs[self._next_id] = _Seq(inner, capacity)
+        return self._next_id
+
+    def _run(self, method: str, seq_id: int, tokens, start: int, num_logits: int):
+        s = self._seqs[seq_id]
+        out = self._guarded(lambda: getattr(self.current, method)(s.inner, tokens, start, num_logits))
+        del s.tokens[start:]
+        s.tokens.extend(tokens)
+        if start == 0:
+            s.first = len(tokens)
+        return out
+
+    def forward(self, seq_id: int, tokens, start: int, num_logits: int):
+        return self._run("forward", seq_id, tokens, start, num_logits)
+
+    def greedy(self, seq_id: int, tokens, start: int, num_logits: int) -> list[int]:
+        return self._run("greedy", seq_id, tokens, start, num_logits)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        s = self._seqs[seq_id]
+        self._guarded(lambda: self.current.truncate(s.inner, length))
+        del s.tokens[length:]
+
+    def length(self, seq_id: int) -> int:
+        return len(self._seqs[seq_id].tokens)
+
+    def release(self, seq_id: int) -> None:
+        s = self._seqs.pop(seq_id)
+        try:
+            self.current.release(s.inner)
+        except Exception as exc:  # the output is complete; a broken pool must not lose it
+            self.events.append(f"target {where(self.current)} release failed: {describe(exc)}")
+
+    def usage(self):
+        return self.current.usage()
+
+    def _move(self, exc: BaseException) -> None:
+        """Replace the failed runner and replay every live sequence into the new one."""
+        failed = self.current
+        self.events.append(f"target {where(failed)} failed: {describe(exc)}")
+        while True:
+            replacement = self.fallback.next_target(failed, exc)
+            if replacement is None:
+                raise GenerationError(f"the target on {where(failed)} failed ({describe(exc)}) and no other "
+                                      "device can take it") from exc
+            try:
+                inner = {seq_id: self._replay(replacement, s) for seq_id, s in self._seqs.items()}
+                break
+            except Exception as again:
+                if not is_device_failure(again):
+                    raise
+                self.events.append(f"replacement {where(replacement)} failed: {describe(again)}")
+                failed, exc = replacement, again
+        for s in self._seqs.values():
+            try:
+                failed.release(s.inner)
+            except Exception:  # a dead device may not even release; its pool goes with it
+                pass
+        for seq_id, new_id in inner.items():
+            self._seqs[seq_id].inner = new_id
+        self.current = replacement
+        replayed = sum(len(s.tokens) for s in self._seqs.values())
+        self.events.append(f"target moved to {where(replacement)}; {replayed} positions replayed")
+
+    @staticmethod
+    def _replay(runner, s: _Seq) -> int:
+        new = runner.allocate(s.capacity)
+        if s.tokens:
+            runner.forward(new, s.tokens[:s.first], 0, 1)
+        if len(s.tokens) > s.first:
+            runner.forward(new, s.tokens[s.first:], s.first, len(s.tokens) - s.first)
+        return new
+
+
+class FailoverDrafter(Drafter):
+    """A Drafter that never raises: a failing one is dropped or replaced (module docstring)."""
+
+    def __init__(self, drafter: Drafter | None, fallback: Fallback, replanner: Replanner | None = None):
+        self.current, self.fallback, self.replanner = drafter, fallback, replanner
+        self.live: Drafter | None = None  # drafting for this request; None once dropped
+        self.events: list[str] = []
+        self.context: list[int] = []  # the committed context, to start a replacement from
+        self._fresh = False  # `live` has not been told the context yet
+        self._capacity, self._sampler = 0, None
+
+    @property
+    def name(self) -> str:
+        return self.current.name if self.current is not None else "none"
+
+    def take_events(self) -> list[str]:
+        events, self.events = self.events, []
+        return events
+
+    def begin(self, capacity: int, sampler=None) -> None:
+        self._capacity, self._sampler, self.context, self.live = capacity, sampler, [], None
+        if self.current is not None:
+            self._start(self.current)
+
+    def _start(self, drafter: Drafter) -> None:
+        try:
+            drafter.begin(self._capacity, self._sampler)
+        except Exception as exc:
+            self._failed(drafter, exc)
+            return
+        self.live, self._fresh = drafter, True
+
+    def draft(self, req: DraftRequest) -> DraftResult:
+        apply_delta(self.context, req)
+        if self.live is None:
+            return DraftResult(req.seq_id, [])
+        if self._fresh:
+            req = DraftRequest(req.seq_id, 0, req.k, list(self.context))
+        try:
+            result = self.live.draft(req)
+        except Exception as exc:
+            self._failed(self.live, exc)
+            return DraftResult(req.seq_id, [])
+        self._fresh = False
+        return result
+
+    def _failed(self, drafter: Drafter, exc: BaseException) -> None:
+        self.live = None
+        self.events.append(f"drafter {drafter.name} failed: {describe(exc)}")
+        try:
+            drafter.reset()
+        except Exception:
+            pass
+        replacement = self.fallback.next_drafter(drafter, exc)
+        if replacement is None:
+            self.events.append("drafting continues with none")
+            return
+        self.current = replacement  # persists: later requests draft with it
+        self._start(replacement)  # one that fails to start is dropped the same way
+        if self.live is replacement:
+            self.events.append(f"drafting continues with {replacement.name}")
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After a speculative round: let the Replanner swap the drafter."""
+        if self.replanner is None or self.live is None or not drafted:
+            return
+        replacement = self.replanner.on_round(drafted, accepted)
+        if replacement is None:
+            return
+        old = self.live
+        try:
+            replacement.begin(self._capacity, self._sampler)
+        except Exception as exc:
+            self.events.append(f"re-plan to {replacement.name} failed at start: {describe(exc)}")
+            return
+        try:
+            old.reset()
+        except Exception as exc:
+            self.events.append(f"drafter {old.name} reset failed: {describe(exc)}")
+        self.live = self.current = replacement
+        self._fresh = True
+        self.events.append(f"acceptance drifted: drafter {old.name} -> {replacement.name}")
+
+    @property
+    def active(self) -> bool:
+        return self.live is not None
+
+    def reset(self) -> None:
+        if self.live is not None:
+            try:
+                self.live.reset()
+            except Exception as exc:  # the output is complete; a broken drafter must not lose it
+                self.events.append(f"drafter {self.live.name} reset failed: {describe(exc)}")
+        self.live = None
+
+    def wait_ready(self) -> None:
+        if self.current is not None:
+            self.current.wait_ready()
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()

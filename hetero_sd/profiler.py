@@ -184,7 +184,7 @@ def measure_runner(runner, settings: ProfileSettings) -> dict:
 
 def measure_ngram(rounds: int = 200) -> float:
     """Seconds of one n-gram drafter round on a 256-token context (median of blocks)."""
-    from hetero_sd.drafters import NgramDrafter
+    from hetero_sd.drafting.ngram import NgramDrafter
     from hetero_sd.ir.work import DraftRequest
 
     rng = random.Random(0)

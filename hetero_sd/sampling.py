@@ -1,4 +1,9 @@
-"""Sampling: warping logits into a distribution, and lossless speculative sampling.
+"""Acceptance: which drafts the target keeps, greedy or sampled.
+
+Greedy (`accept_greedy`): keep drafts while they equal the target's own argmax,
+then commit the target's token after them. Sampled (`Sampler.accept`):
+modified rejection sampling. Both return (accepted, committed tokens), and a
+cascade stage uses the same rule as the engine.
 
 Glossary (as in ir/work.py): drafts are proposed, a prefix is *accepted*, and
 one more token is committed after it: the *recovered* token when draft i was
@@ -79,6 +84,16 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         probs[drop] = 0.0
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def accept_greedy(drafts: list[int], target_ids: list[int]) -> tuple[int, list[int]]:
+    """target_ids[i] is the target's choice after the i-th verified token (the
+    last committed one, then each draft). Returns (accepted, accepted drafts +
+    the target's token after them: a correction, or the bonus when all agree)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target_ids[a]:
+        a += 1
+    return a, list(drafts[:a]) + [target_ids[a]]
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -5,11 +5,9 @@ from hetero_sd.ir.work import (
     MAX_DRAFT_TOKENS,
     DraftRequest,
     DraftResult,
-    TruncateRequest,
     VerifyRequest,
     VerifyResult,
 )
-
 
 
 def __getattr__(name):
@@ -25,5 +23,4 @@ def __getattr__(name):
 __all__ = [
     "ModelConfig", "ModelIR", "ModelLoadError", "load_model_ir", "reference_logits",
     "MAX_DRAFT_TOKENS", "DraftRequest", "DraftResult", "VerifyRequest", "VerifyResult",
-    "TruncateRequest",
 ]

@@ -81,13 +81,3 @@ class VerifyResult(_Record):
     seq_id: int
     accepted: int  # number of draft tokens kept, 0..n_draft
     tokens: list[int] = field(default_factory=list)  # [accepted + 1] committed ids: accepted + bonus
-
-
-@dataclass
-class TruncateRequest(_Record):
-    """Roll a sequence's cache back to `length` positions (a pointer move)."""
-
-    KIND = 5
-    seq_id: int
-    length: int
-    tokens: list[int] = field(default_factory=list)  # unused; keeps one record shape

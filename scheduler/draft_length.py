@@ -41,7 +41,7 @@ class FixedDraftLength:
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a
-# decode more per extra token (this CPU measured 3-28%, PERF-NOTES.md). Only
+# decode more per extra token (measured 3-28% on a 2-core CPU host). Only
 # the shape matters: timings passed to observe() rescale it to seconds.
 DEFAULT_COST = RoundCost(verify=CostCurve(((1, 1.0), (2, 1.1))), draft=CostCurve.affine(0.0, 0.02))
 

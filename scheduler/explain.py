@@ -1,15 +1,14 @@
-"""Plan.explain(): a plain-text table of the ranking and the reason for the choice."""
+"""Plan.explain(): a plain-text table of the ranking and the reason for the choice.
+
+Reads a splitter.Plan and its Candidates without importing splitter.py, which
+imports this module.
+"""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hetero_sd.scheduler.splitter import Candidate, Plan
 
 COLUMNS = ("rank", "target", "drafter", "k", "alpha", "tok/round", "round ms", "decode tok/s", "tok/s")
 
 
-def _row(rank: int, c: "Candidate") -> tuple[str, ...]:
+def _row(rank: int, c) -> tuple[str, ...]:
     alpha = "-" if c.alpha is None else f"{c.alpha:.2f}"
     return (str(rank), str(c.target), c.drafter_label, str(c.k), alpha, f"{c.tokens_per_round:.2f}",
             f"{c.round_s * 1e3:.2f}", f"{c.decode_tokens_per_s:.1f}", f"{c.tokens_per_s:.1f}")
@@ -22,7 +21,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
                       enumerate(zip(row, widths))).rstrip() for row in rows]
 
 
-def _why(plan: "Plan") -> list[str]:
+def _why(plan) -> list[str]:
     best = plan.best
     lines = []
     if best.k == 0:
@@ -46,7 +45,7 @@ def _why(plan: "Plan") -> list[str]:
     return lines
 
 
-def explain(plan: "Plan") -> str:
+def explain(plan) -> str:
     p = plan.problem
     alphas = sorted({(d.kind, d.alpha) for d in p.drafters})
     best = plan.best

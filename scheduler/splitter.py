@@ -24,6 +24,8 @@ from hetero_sd.ir.errors import BackendError, ConfigError
 from hetero_sd.scheduler.acceptance import AcceptanceTracker
 from hetero_sd.scheduler.cost_model import (DeviceProfile, DraftOption, Placement, RoundCost, Workload,
                                             round_cost, tokens_per_round)
+from hetero_sd.scheduler.draft_length import AdaptiveDraftLength
+from hetero_sd.scheduler.explain import explain
 
 KIND_ORDER = {"none": 0, "ngram": 1, "model": 2}
 
@@ -121,8 +123,6 @@ class Plan:
         candidate's, or the best drafter on the same target when target-only
         ranked first: the policy may turn speculation on), primed with its
         measured costs and acceptance estimate. None: no drafter on that target."""
-        from hetero_sd.scheduler.draft_length import AdaptiveDraftLength
-
         spec = self.best if self.best.k > 0 else self.speculative_for(self.best.target)
         if spec is None:
             return None
@@ -130,8 +130,6 @@ class Plan:
         return AdaptiveDraftLength(self.problem.k_max, cost=self.round_cost(spec), prior_alpha=prior)
 
     def explain(self) -> str:
-        from hetero_sd.scheduler.explain import explain
-
         return explain(self)
 
 

@@ -22,6 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The fake backend (a testing utility, not a built-in) is registered the way a
+# plugin author would, so in-process code, CLI subprocesses and worker processes
+# all find it; it sees no device unless HETERO_SD_FAKE_BACKEND declares some.
+os.environ["HETERO_SD_BACKENDS"] = "fake=hetero_sd.testing.fake_backend:FakeBackend"
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:

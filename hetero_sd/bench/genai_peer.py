@@ -1,7 +1,7 @@
 """OpenVINO GenAI as a peer: plain greedy, prompt lookup and a draft model,
 each with its CPU defaults and with its exact (lossless) hints.
 
-Fairness, as measured in ../shared/PERF-NOTES.md:
+Fairness (what we measured of GenAI on CPU hosts):
 - It reads the same GGUF (same quantized weights). Its draft model must be an
   OpenVINO IR folder, so the GGUF is converted once by GenAI itself
   (enable_save_ov_model) into the hetero-sd cache and reused.

@@ -1,5 +1,5 @@
 """Our runs: target-only and each YAML configuration, through the public
-config -> builder -> Engine path a user takes.
+config -> build -> Engine path a user takes.
 
 Every configuration is built once; on that engine, prompt by prompt, the
 target-only run (once per distinct target placement) goes right before the
@@ -72,10 +72,10 @@ def _sample(engine, prompt, ids: list[int], work: Workload, target_only: bool) -
 
 
 def _build(cfg: Config):
-    from hetero_sd.builder import build_engine
+    from hetero_sd.engine import Engine
 
     t0 = time.perf_counter()
-    engine = build_engine(cfg)
+    engine = Engine.from_config(cfg)
     return engine, time.perf_counter() - t0
 
 

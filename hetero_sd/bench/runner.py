@@ -58,14 +58,14 @@ def _peer_spec(configs: list[Config], model_path: Path) -> dict:
 
 def _check_placements(configs: list[Config]) -> None:
     """Backends, devices and precisions exist here (probes only): a typo fails before any load."""
-    from hetero_sd.backends.registry import discover
-    from hetero_sd.builder import check_placement
+    from hetero_sd.loading import Loader
+    from hetero_sd.spec import placed
 
-    registry = discover()
+    load = Loader()
     for cfg in configs:
-        check_placement(registry, cfg.target, f"{cfg.source}: target")
+        load.check(placed(cfg, cfg.target, f"{cfg.source}: target"))
         if cfg.drafter.kind == "model":
-            check_placement(registry, cfg.drafter, f"{cfg.source}: draft model")
+            load.check(placed(cfg, cfg.drafter, f"{cfg.source}: draft model"))
 
 
 def _workload(model_path: Path, prompts, opts: BenchOptions) -> Workload:

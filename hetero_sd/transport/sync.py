@@ -1,6 +1,6 @@
 """Atomic uint32 words and futex waits over a shared buffer, from Python, no compiler.
 
-Why this shape (see ../shared/PERF-NOTES.md, "Cross-process round trips"):
+Why this shape (measured on 2-core CPU hosts; benchmarks/bench_transport.py reproduces it):
 
 * A ring needs three orderings on its control words: *release* when publishing
   an index after the payload, *acquire* when reading it before the payload, and

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_sd.backends.fake_backend import (ENV, FakeBackend, FakeCosts, FakeDeviceSpec, FakeFailure,
-                                             FakePrecisionSpec, spec_from_env)
+from hetero_sd.testing.fake_backend import (ENV, FakeBackend, FakeCosts, FakeDeviceSpec, FakeFailure,
+                                             FakePrecisionSpec, PLUGIN, spec_from_env)
 from hetero_sd.backends.registry import discover
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.cli import main
 from hetero_sd.config import load_config
-from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import BackendError, ConfigError
 from hetero_sd.ir import load_model_ir
@@ -282,7 +282,7 @@ def test_bad_env_config_marks_fake_broken(monkeypatch, value, reason):
     monkeypatch.setenv(ENV, value)
     registry = discover()
     assert "fake" not in registry.backends and "torch" in registry.backends
-    assert registry.broken["fake"].startswith(f"ConfigError: {ENV}") and reason in registry.broken["fake"]
+    assert f"ConfigError: {ENV}" in registry.broken["fake"] and reason in registry.broken["fake"]
     with pytest.raises(ConfigError):
         spec_from_env()
 
@@ -321,3 +321,20 @@ def test_cli_generate_on_fake_devices_from_env(tiny_model_dir, tmp_path):
     failing = json.dumps({"devices": [{}, {"failure": {"on_load": True, "message": "card fell off"}}]})
     proc = _cli(config, failing, tmp_path)
     assert proc.returncode == 2 and "card fell off" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_fake_backend_is_a_testing_utility_not_a_builtin(monkeypatch):
+    """A plain install registers no fake backend; naming it in HETERO_SD_BACKENDS does."""
+    from importlib.metadata import entry_points
+
+    from hetero_sd.backends.registry import ENV as BACKENDS_ENV
+
+    assert "fake" not in {ep.name for ep in entry_points(group="hetero_sd.backends")}
+    monkeypatch.delenv(BACKENDS_ENV, raising=False)
+    registry = discover()
+    assert "fake" not in registry.backends and "fake" not in registry.broken and "torch" in registry.backends
+    monkeypatch.setenv(BACKENDS_ENV, PLUGIN)
+    assert isinstance(discover().backends["fake"], FakeBackend)
+    monkeypatch.setenv(BACKENDS_ENV, "fake=no_such_module:Nope, bad")
+    broken = discover().broken
+    assert "ModuleNotFoundError" in broken["fake"] and "not name=module:Class" in broken["bad"]

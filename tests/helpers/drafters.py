@@ -1,8 +1,10 @@
 """Drafter proxies for tests: wrap a real drafter and look at, or alter, its proposals."""
 from __future__ import annotations
 
+from hetero_sd.drafting.base import Drafter
 
-class ProxyDrafter:
+
+class ProxyDrafter(Drafter):
     """Delegates begin/reset/draft to `inner`; subclasses override `seen(req, result)`."""
 
     def __init__(self, inner, name: str | None = None):

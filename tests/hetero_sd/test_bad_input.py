@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.cli import main
 from hetero_sd.config import load_config
 from hetero_sd.errors import (

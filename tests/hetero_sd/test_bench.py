@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetero_sd.bench.__main__ import main
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.config import load_config
 
 MAX_NEW = 10

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.config import load_config
 from hetero_sd.errors import ConfigError
 

@@ -11,20 +11,22 @@ import pytest
 
 
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.builder import build_engine
-from hetero_sd.cascade import CascadeDrafter
+from hetero_sd.engine import build_engine
+from hetero_sd.drafting import CascadeDrafter
 from hetero_sd.config import load_config
-from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import BackendError, ConfigError
 from hetero_sd.ir import DraftRequest, load_model_ir
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.transport.segment import SHM_DIR
-from hetero_sd.worker_specs import CascadeSpec, FaultSpec, ModelSpec, NgramSpec
-from hetero_sd.workers import RemoteDrafter
+from hetero_sd.drafting.remote import RemoteDrafter
+from hetero_sd.drafting.specs import CascadeSpec, ModelSpec, NgramSpec
 from helpers.drafters import ProxyDrafter
 from helpers.table_model import TableRunner, chi_square_p, exact_joint
+from helpers.near import PRECISION as NEAR_PRECISION, YAML as NEAR_YAML, load_near, near_spec
 from helpers.tiny_models import random_prompt
+from helpers.workers import FaultSpec, remote as make_remote
 
 BUDGET = 4 << 20
 
@@ -83,8 +85,8 @@ def test_proposals_are_the_intermediate_models_greedy_continuation(paths):
     """Whatever the inner stage proposes, and across rollbacks, the cascade
     proposes exactly the tokens the intermediate model alone would choose."""
     inner = _Noisy(ModelDrafter(load(paths["target"]), 384))
-    cascade = CascadeDrafter(inner, load(paths["target"], "bf16"), 384, k=3)
-    reference = ModelDrafter(load(paths["target"], "bf16"), 384)
+    cascade = CascadeDrafter(inner, load_near(paths["target"]), 384, k=3)
+    reference = ModelDrafter(load_near(paths["target"]), 384)
     cascade.begin(128)
     reference.begin(128)
     rng, context, synced = random.Random(0), random_prompt(7, seed=8), 0
@@ -104,13 +106,13 @@ def test_proposals_are_the_intermediate_models_greedy_continuation(paths):
 def test_three_model_cascade_is_lossless(target, paths, inner_kind):
     """draft -> intermediate -> target."""
     inner = NgramDrafter(1, 3) if inner_kind == "ngram" else ModelDrafter(load(paths["other"]), 384)
-    assert_lossless(target, CascadeDrafter(inner, load(paths["target"], "bf16"), 384, k=3))
+    assert_lossless(target, CascadeDrafter(inner, load_near(paths["target"]), 384, k=3))
 
 
 def test_four_model_cascade_is_lossless(target, paths):
-    """ngram -> other model -> bf16 copy of the target -> target: stages nest."""
+    """ngram -> other model -> a cheaper copy of the target -> target: stages nest."""
     middle = CascadeDrafter(NgramDrafter(1, 3), load(paths["other"]), 384, k=2)
-    outer = CascadeDrafter(middle, load(paths["target"], "bf16"), 384, k=4)
+    outer = CascadeDrafter(middle, load_near(paths["target"]), 384, k=4)
     assert_lossless(target, outer)
     assert middle.stage_calls > 0 and outer.inner_drafted > 0
 
@@ -118,12 +120,12 @@ def test_four_model_cascade_is_lossless(target, paths):
 @pytest.mark.parametrize("placement", ["inner-in-worker", "cascade-in-worker"])
 def test_cascade_with_worker_stages_is_lossless(target, paths, placement):
     inner_spec = ModelSpec(str(paths["other"]), "torch", "cpu", "fp32", BUDGET)
-    stage_spec = ModelSpec(str(paths["target"]), "torch", "cpu", "bf16", BUDGET)
+    stage_spec = near_spec(paths["target"], BUDGET)
     if placement == "inner-in-worker":
-        remote = RemoteDrafter(inner_spec, 384, transport="shm", mode="async", threads=1)
-        drafter = CascadeDrafter(remote, load(paths["target"], "bf16"), 384, k=3)
+        remote = make_remote(inner_spec, 384, transport="shm", mode="async", threads=1)
+        drafter = CascadeDrafter(remote, load_near(paths["target"]), 384, k=3)
     else:
-        remote = RemoteDrafter(CascadeSpec(inner_spec, stage_spec, k=3), 384, transport="shm", threads=1)
+        remote = make_remote(CascadeSpec(inner_spec, stage_spec, k=3), 384, transport="shm", threads=1)
         drafter = remote
     try:
         assert_lossless(target, drafter, ks=(3, 6))
@@ -134,8 +136,8 @@ def test_cascade_with_worker_stages_is_lossless(target, paths, placement):
 
 def test_a_failing_inner_stage_leaves_the_stage_drafting_alone(target, paths):
     spec = ModelSpec(str(paths["other"]), "torch", "cpu", "fp32", BUDGET)
-    remote = RemoteDrafter(spec, 384, transport="shm", threads=1, fault=FaultSpec(after=2, kind="exit"))
-    cascade = CascadeDrafter(remote, load(paths["target"], "bf16"), 384, k=3)
+    remote = make_remote(spec, 384, transport="shm", threads=1, fault=FaultSpec(after=2, kind="exit"))
+    cascade = CascadeDrafter(remote, load_near(paths["target"]), 384, k=3)
     try:
         prompt = random_prompt(9, seed=4)
         engine = Engine(target, cascade, k=5)
@@ -189,13 +191,13 @@ def _yaml(tmp_path, target, drafter: str):
 
 def test_yaml_cascade_builds_the_stages_in_order(paths, tmp_path):
     text = (f"{{kind: model, model: {paths['other']}, precision: fp32, k: 5, "
-            f"stages: [{{precision: bf16, k: 4}}, {{model: {paths['other']}, precision: bf16, k: 2}}]}}")
+            f"stages: [{{{NEAR_YAML}, k: 4}}, {{model: {paths['other']}, {NEAR_YAML}, k: 2}}]}}")
     engine = build_engine(load_config(_yaml(tmp_path, paths["target"], text)))
     outer = engine.drafter
     assert isinstance(outer, CascadeDrafter) and outer.k_inner == 4  # stages.0: next to the target
     assert isinstance(outer.inner, CascadeDrafter) and outer.inner.k_inner == 2
     assert isinstance(outer.inner.inner, ModelDrafter)
-    assert outer.runner.precision.name == "bf16" and outer.inner.runner.precision.name == "bf16"
+    assert outer.runner.precision.name == outer.inner.runner.precision.name == NEAR_PRECISION
     prompt = repetitive(12, 3)
     got = engine.generate_ids(prompt, 16)
     assert got.token_ids == engine.generate_ids(prompt, 16, target_only=True).token_ids
@@ -203,7 +205,7 @@ def test_yaml_cascade_builds_the_stages_in_order(paths, tmp_path):
 
 
 def test_yaml_cascade_with_a_worker_stage(paths, tmp_path):
-    text = "{kind: ngram, min_ngram: 1, k: 4, stages: [{precision: bf16, k: 3, process: worker, threads: 1}]}"
+    text = f"{{kind: ngram, min_ngram: 1, k: 4, stages: [{{{NEAR_YAML}, k: 3, process: worker, threads: 1}}]}}"
     engine = build_engine(load_config(_yaml(tmp_path, paths["target"], text)))
     try:
         assert isinstance(engine.drafter, RemoteDrafter)

@@ -35,8 +35,9 @@ def test_packaged_cpu_yaml_loads_into_typed_sections():
     assert isinstance(cfg.generation, GenerationConfig)
     assert isinstance(cfg.memory, MemoryConfig)
     assert (cfg.target.model, cfg.target.backend, cfg.target.device, cfg.target.precision) == (
-        "default", "torch", "cpu", "fp32")
-    assert (cfg.drafter.kind, cfg.drafter.k, cfg.drafter.min_ngram, cfg.drafter.max_ngram) == ("ngram", 5, 2, 4)
+        "default", "onnxruntime", "cpu", "int4")
+    d = cfg.drafter
+    assert (d.kind, d.k, d.k_max, d.min_ngram, d.max_ngram) == ("ngram", "auto", 8, 2, 4)
     assert cfg.generation.max_new_tokens == 128
     assert cfg.generation.stop == []
     assert cfg.generation.chat_template is True
@@ -54,7 +55,8 @@ def test_packaged_cpu_draft_model_yaml():
     assert (cfg.target.model, cfg.target.backend, cfg.target.device, cfg.target.precision) == (
         "default", "torch", "cpu", "fp32")
     d = cfg.drafter
-    assert (d.kind, d.model, d.backend, d.device, d.precision, d.k) == ("model", "default", "torch", "cpu", "bf16", 4)
+    assert (d.kind, d.model, d.backend, d.device, d.precision, d.k) == (
+        "model", "default", "onnxruntime", "cpu", "int4", 4)
     assert cfg.generation.max_new_tokens == 128
     assert cfg.memory.kv_budget == 256 * 2**20
 
@@ -136,7 +138,7 @@ def test_dotted_override_of_the_packaged_default():
     assert cfg.generation.max_new_tokens == 7
     assert cfg.drafter.k == 3
     assert cfg.memory.kv_budget == 2**20
-    assert cfg.target.precision == "fp32"  # the rest still comes from cpu.yaml
+    assert cfg.target.precision == "int4"  # the rest still comes from cpu.yaml
 
 
 def test_dotted_override_creates_a_missing_section(tmp_path):
@@ -203,7 +205,7 @@ def test_absolute_and_home_model_paths(tmp_path, monkeypatch):
 
 
 def test_build_engine_uses_the_yaml_relative_model_path(tmp_path, monkeypatch, tiny_model_dir):
-    from hetero_sd.builder import build_engine
+    from hetero_sd.engine import build_engine
 
     shutil.copytree(tiny_model_dir("llama"), tmp_path / "project" / "models" / "tiny")
     cfg_path = write(tmp_path / "project" / "conf" / "tiny.yaml",

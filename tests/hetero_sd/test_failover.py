@@ -12,9 +12,10 @@ import json
 
 import pytest
 
-from hetero_sd.backends.fake_backend import ENV, FakeBackend, FakeDeviceSpec, FakeFailure
+from hetero_sd import profiler
+from hetero_sd.testing.fake_backend import ENV, FakeBackend, FakeDeviceSpec, FakeFailure, declared_figures
 from hetero_sd.cli import main
-from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import RankedFallback
@@ -99,12 +100,15 @@ def test_no_replacement_raises_with_the_output_so_far(ir):
 
 
 def _env(monkeypatch, fail_after: int | None):
+    """Two fake devices: fake:0 declares itself 4x faster than fake:1. The profiler
+    reads the declared costs (no clock), so placement: auto's choice is fixed."""
+    monkeypatch.setattr(profiler, "measure_runner", declared_figures)
     devices = [{"device": "fake:0", "description": "fast, fails",
                 "costs": {"decode_per_token_s": 0.001, "verify_base_s": 0.001, "prefill_per_token_s": 1e-5},
                 **({"failure": {"after_calls": fail_after, "kind": "runtime_error"}} if fail_after else {})},
                {"device": "fake:1", "description": "slower",
                 "costs": {"decode_per_token_s": 0.004, "verify_base_s": 0.004, "prefill_per_token_s": 1e-5}}]
-    monkeypatch.setenv(ENV, json.dumps({"simulate_time": True, "devices": devices}))
+    monkeypatch.setenv(ENV, json.dumps({"simulate_time": False, "devices": devices}))
 
 
 def test_auto_placement_replans_when_its_device_fails(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -169,16 +173,10 @@ def test_drift_replans_the_drafter_and_keeps_the_target():
 
 
 class _SwapAt:
-    """A plan stand-in that asks for a new drafter at one round."""
+    """A Replanner (a plan stand-in) that asks for a new drafter at one round."""
 
     def __init__(self, at, make):
         self.at, self.make, self.rounds = at, make, 0
-
-    def next_drafter(self, failed, error):
-        return None
-
-    def next_target(self, failed, error):
-        return None
 
     def on_round(self, drafted, accepted):
         self.rounds += 1
@@ -192,7 +190,7 @@ def test_engine_swaps_drafter_on_replan_token_identically(ir, at):
     expected = Engine(target, None).generate_ids(prompt, new, target_only=True).token_ids
     first = ModelDrafter(_fake().load(ir, "fake:0", "fp32", BUDGET), target.vocab_size)
     second = ModelDrafter(_fake().load(ir, "fake:1", "fp32", BUDGET), target.vocab_size)
-    engine = Engine(target, first, k=3, fallback=_SwapAt(at, lambda: second))
+    engine = Engine(target, first, k=3, replanner=_SwapAt(at, lambda: second))
     got = engine.generate_ids(prompt, new)
     assert got.token_ids == expected
     assert any("acceptance drifted: drafter model -> model" in e for e in got.stats.events)

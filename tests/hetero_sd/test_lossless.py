@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.drafters import ModelDrafter, NgramDrafter
-from hetero_sd.engine import Engine, accept_greedy
-from hetero_sd.ir import VerifyRequest, load_model_ir
+from hetero_sd.drafting import ModelDrafter, NgramDrafter
+from hetero_sd.engine import Engine
+from hetero_sd.sampling import accept_greedy
+from hetero_sd.ir import load_model_ir
 from helpers.tiny_models import random_prompt
 
 BACKEND = TorchBackend()
@@ -114,11 +115,11 @@ def test_stop_strings_identical(tiny_model_dir):
 
 
 def test_accept_greedy_glossary():
-    req = VerifyRequest(1, 10, [7, 1, 2, 3])  # last committed 7, drafts 1 2 3
-    assert accept_greedy(req, [1, 2, 9, 4]).tokens == [1, 2, 9]  # 2 accepted + correction
-    assert accept_greedy(req, [1, 2, 3, 4]).accepted == 3  # all accepted + bonus 4
-    assert accept_greedy(req, [5, 2, 3, 4]).tokens == [5]
-    assert accept_greedy(VerifyRequest(1, 0, [7]), [8]).tokens == [8]  # no drafts: plain decode
+    drafts = [1, 2, 3]  # verified after the last committed token, so the target scores 4 rows
+    assert accept_greedy(drafts, [1, 2, 9, 4]) == (2, [1, 2, 9])  # 2 accepted + correction
+    assert accept_greedy(drafts, [1, 2, 3, 4]) == (3, [1, 2, 3, 4])  # all accepted + bonus 4
+    assert accept_greedy(drafts, [5, 2, 3, 4]) == (0, [5])
+    assert accept_greedy([], [8]) == (0, [8])  # no drafts: plain decode
 
 
 def test_smollm2_lossless(smollm2_gguf):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hetero_sd.backends.registry import discover
-from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.ir import load_model_ir
 from helpers.tiny_models import random_prompt

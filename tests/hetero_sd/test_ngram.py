@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_sd.drafters import NgramDrafter
+from hetero_sd.drafting import NgramDrafter
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_sd.builder import build_engine
+from hetero_sd.engine import build_engine
 from hetero_sd.config import PACKAGED, load_config
 
 ALL = sorted(p.name for p in PACKAGED.glob("*.yaml"))

@@ -17,11 +17,12 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.drafters import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import GenerationError
 from hetero_sd.ir import load_model_ir
 from hetero_sd.sampling import Sampler, SamplingParams, warp
+from helpers.near import load_near
 from helpers.table_model import TableRunner, chi_square_p, exact_joint
 from helpers.tiny_models import random_prompt
 
@@ -147,7 +148,7 @@ def test_real_model_sampling(tiny_model_dir):
     first two sampled tokens follow the target's distribution (chi-square)."""
     backend = TorchBackend()
     target = backend.load(load_model_ir(tiny_model_dir("llama")), "cpu", "fp32", 4 << 20)
-    draft = _Biased(backend.load(load_model_ir(tiny_model_dir("llama")), "cpu", "bf16", 4 << 20))
+    draft = _Biased(load_near(tiny_model_dir("llama")))
     prompt = random_prompt(12, seed=3)
     params = SamplingParams(1.0, top_k=3)
     for drafter in (NgramDrafter(1, 3), ModelDrafter(draft, target.vocab_size)):

@@ -2,8 +2,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from hetero_sd.ir.work import (MAX_DRAFT_TOKENS, DraftRequest, DraftResult, TruncateRequest,
-                               VerifyRequest, VerifyResult)
+from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult, VerifyRequest, VerifyResult
 
 ints = st.integers(min_value=0, max_value=2**31 - 1)
 tokens = st.lists(ints, max_size=MAX_DRAFT_TOKENS + 1)
@@ -24,8 +23,8 @@ def test_verify_records_roundtrip(seq, start, toks):
 
 
 def test_fixed_size_and_kind_checked():
-    rec = TruncateRequest(3, 10)
-    assert len(rec.pack()) == 4 * 4  # kind, n_tokens, seq_id, length
+    rec = VerifyResult(3, 0, [10])
+    assert len(rec.pack()) == 4 * 5  # kind, n_tokens, seq_id, accepted, one token
     assert len(VerifyRequest(1, 2, [5] * 4).pack()) == 4 * (4 + 4)
     with pytest.raises(ValueError, match="not a VerifyRequest"):
         VerifyRequest.unpack(rec.pack())

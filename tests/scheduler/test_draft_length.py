@@ -125,7 +125,7 @@ def test_adaptive_converges_to_the_best_k(alpha):
 
 
 def test_adaptive_learns_a_cost_jump_from_timings():
-    # Widths above 4 cost double (PERF-NOTES: a jump between 4 and 5 tokens for compressed weights).
+    # Widths above 4 cost double (OpenVINO's compressed weights jump between 4 and 5 tokens).
     jump = RoundCost(CostCurve(((1, 0.010), (4, 0.012), (5, 0.024), (17, 0.030))), CostCurve.affine(0.0, 1e-4))
     assert jump.best_k(0.9, 8)[0] == 3
     policy = AdaptiveDraftLength(8, cost=RoundCost(CostCurve(((1, 0.010), (9, 0.012)))))  # prior: no jump

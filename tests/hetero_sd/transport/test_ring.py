@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetero_sd.transport import CorruptRecord, PeerClosed, RecordTooLarge, TransportError, TransportTimeout
-from hetero_sd.transport.ring import SLOT_HEADER, SLOTS_AT, Ring, ring_bytes
+from hetero_sd.transport.ring import CONS_WAITING, PROD_WAITING, SLOT_HEADER, SLOTS_AT, Ring, ring_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futex: Linux only")
 
@@ -30,6 +30,44 @@ def make_ring(n_slots=8, start=0, **kw) -> Ring:
 
 def payload(i: int, n: int) -> bytes:
     return bytes((i * 31 + j) % 251 for j in range(n))
+
+
+# Generous bounds for "it did not hang" / "it happened": their expiry is the
+# failure; nothing here asserts how fast a wait ends (a loaded CI host is slow).
+HANG_S = 60
+# A waiter that only a FUTEX_WAKE may end: its timeout and check interval both
+# outlast HANG_S, so neither can end the wait before the test gives up on it.
+ASLEEP = dict(spin_us=0, check_interval=5 * HANG_S)
+
+
+def finishes(fn, within: float = HANG_S):
+    """fn() in a daemon thread: its result, or the exception it raised; fails
+    if it is still blocked after `within` seconds."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            box["error"] = exc
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(within)
+    assert not th.is_alive(), f"still blocked after {within} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def wait_until_asleep(ring: Ring, flag: int) -> None:
+    """Until the waiter has stored its WAITING flag (its spin is over and it is
+    in the sleep handshake), then a moment more for it to reach FUTEX_WAIT."""
+    deadline = time.monotonic() + HANG_S
+    while not ring._w.words[flag]:
+        assert time.monotonic() < deadline, f"the waiter never went to sleep within {HANG_S} s"
+        time.sleep(0.005)
+    time.sleep(0.05)
 
 
 # ------------------------------------------------------------------ the ring against a deque
@@ -132,8 +170,8 @@ def test_recv_timeout_fires_on_an_empty_ring():
     ring = make_ring(4, check_interval=0.02)
     t = time.perf_counter()
     with pytest.raises(TransportTimeout):
-        ring.recv(timeout=0.15)
-    assert 0.15 <= time.perf_counter() - t < 2.0
+        finishes(lambda: ring.recv(timeout=0.15))  # the timeout ends it: no hang
+    assert time.perf_counter() - t >= 0.15
 
 
 def test_send_on_a_full_ring_waits_then_times_out_and_recovers():
@@ -142,7 +180,7 @@ def test_send_on_a_full_ring_waits_then_times_out_and_recovers():
     ring.send(b"b", timeout=0)
     t = time.perf_counter()
     with pytest.raises(TransportTimeout, match="free slot"):
-        ring.send(b"c", timeout=0.1)
+        finishes(lambda: ring.send(b"c", timeout=0.1))
     assert time.perf_counter() - t >= 0.1
     assert ring.recv(timeout=0) == b"a"
     ring.send(b"c", timeout=0)
@@ -151,23 +189,23 @@ def test_send_on_a_full_ring_waits_then_times_out_and_recovers():
 
 @pytest.mark.parametrize("full", [False, True], ids=["consumer-sleeps", "producer-sleeps"])
 def test_a_sleeping_waiter_is_woken_by_the_futex_not_by_its_timeout(full):
-    # check_interval 30 s: only a FUTEX_WAKE can end the wait within the test.
-    ring = make_ring(2, spin_us=0, check_interval=30)
+    # Timeout and check_interval 300 s, the join 60 s: only a FUTEX_WAKE can end
+    # the wait while the test still waits for it.
+    ring = make_ring(2, **ASLEEP)
     if full:
         ring.send(b"a", timeout=0)
         ring.send(b"b", timeout=0)
     done = []
-    waiter = threading.Thread(target=lambda: done.append(
-        ring.send(b"c", timeout=20) if full else ring.recv(timeout=20)))
+    waiter = threading.Thread(daemon=True, target=lambda: done.append(
+        ring.send(b"c", timeout=5 * HANG_S) if full else ring.recv(timeout=5 * HANG_S)))
     waiter.start()
-    time.sleep(0.3)  # long past any spin: the waiter is in FUTEX_WAIT
-    t = time.perf_counter()
+    wait_until_asleep(ring, PROD_WAITING if full else CONS_WAITING)
     if full:
         ring.recv(timeout=0)
     else:
         ring.send(b"x", timeout=0)
-    waiter.join(10)
-    assert not waiter.is_alive() and time.perf_counter() - t < 5
+    waiter.join(HANG_S)
+    assert not waiter.is_alive(), "the waiter was not woken"
     assert done == [None] if full else done == [b"x"]
 
 
@@ -185,13 +223,13 @@ def test_no_wake_up_is_lost_in_a_long_ping_pong():
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
-    t = threading.Thread(target=echo)
+    t = threading.Thread(target=echo, daemon=True)
     t.start()
     for i in range(n):
         ping.send(i.to_bytes(4, "little"), timeout=20)
         assert pong.recv(timeout=20) == i.to_bytes(4, "little")
-    t.join(20)
-    assert not errors
+    t.join(HANG_S)
+    assert not t.is_alive() and not errors
 
 
 def test_close_drains_then_raises_peer_closed():
@@ -206,20 +244,21 @@ def test_close_drains_then_raises_peer_closed():
 
 
 def test_close_wakes_a_sleeping_receiver():
-    ring = make_ring(4, spin_us=0, check_interval=30)
+    ring = make_ring(4, **ASLEEP)
     got = []
 
     def wait():
         try:
-            ring.recv(timeout=20)
+            ring.recv(timeout=5 * HANG_S)
         except PeerClosed as exc:
             got.append(exc)
 
-    t = threading.Thread(target=wait)
+    t = threading.Thread(target=wait, daemon=True)
     t.start()
-    time.sleep(0.3)
+    wait_until_asleep(ring, CONS_WAITING)
     ring.mark_closed()
-    t.join(10)
+    t.join(HANG_S)
+    assert not t.is_alive(), "the close did not wake the receiver"
     assert len(got) == 1
 
 

@@ -134,10 +134,8 @@ def test_when_the_peer_is_killed_the_creator_notices_and_unlinks():
     try:
         assert parent.recv() == p.pid
         os.kill(p.pid, signal.SIGKILL)
-        t = time.perf_counter()
         with pytest.raises(PeerClosed, match="died"):
-            ch.recv(timeout=30)  # the pid check ends the wait, not the timeout
-        assert time.perf_counter() - t < 10
+            ch.recv(timeout=30)  # the pid check ends the wait; the timeout would raise TransportTimeout
     finally:
         p.kill()
         p.join(30)

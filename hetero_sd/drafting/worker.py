@@ -1,10 +1,12 @@
 """The worker process: build the drafter once, then answer requests.
 
-`main(spec, address, options)` is the process target RemoteDrafter starts
-(spawn or forkserver). It connects first, so the engine sees a death during
+`main(spec, address, options, build=...)` is the process target
+RemoteDrafter starts (spawn or forkserver; `build` is build.build_drafter,
+passed in so this module does not import the builder that imports it). It
+connects first, so the engine sees a death during
 model load at once (a pid check on shared memory, EOF on a socket), then
-loads, then loops: receive a request, answer it (worker_wire.py says what
-is said). It does not use transport.serve because asynchronous drafting works
+loads, then loops: receive a request, answer it (wire.py says what is
+said). It does not use transport.serve because asynchronous drafting works
 between requests: with nothing to answer, it polls the channel with a zero
 timeout between draft steps, and blocks only once it has drafted far enough.
 
@@ -22,19 +24,29 @@ drafts fresh (FRESH). Under sampling the worker drafts on request only
 from __future__ import annotations
 
 import os
-import signal
 import struct
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
-from hetero_sd.drafters import common_prefix
+from hetero_sd.drafting.base import common_prefix
+from hetero_sd.drafting.specs import DrafterSpec, ModelSpec
+from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, PARTIAL, READY, RESET, Control,
+                                     Reply, encode_reply, error_reply, sampler_from_words)
 from hetero_sd.ir.work import DraftRequest, DraftResult
 from hetero_sd.transport import PeerClosed, TransportTimeout, connect
-from hetero_sd.worker_specs import DrafterSpec, ModelSpec, WorkerOptions, build_local
-from hetero_sd.worker_wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, PARTIAL, READY, RESET, Control,
-                                   Reply, encode_reply, error_reply, sampler_from_words)
+
+IDLE_WAIT_S = 3600.0  # a bounded wait between requests (see main)
 
 
-IDLE_WAIT_S = 3600.0
+@dataclass(frozen=True)
+class WorkerOptions:
+    target_vocab: int
+    mode: str = "sync"  # sync | async (draft ahead between requests; greedy requests only)
+    lookahead: int | None = None  # async: tokens to draft beyond a reply; None: k + 1
+    threads: int | None = None  # torch / OpenMP threads in the worker; None: the runtime's default
+    cpu: int | None = None  # pin the worker to this CPU (Linux)
+    env: dict = field(default_factory=dict)  # HETERO_SD_* variables to set in the worker
 
 
 class Lookahead:
@@ -114,8 +126,6 @@ class Handler:
                 raise ValueError(f"record kind {kind} is neither a DraftRequest nor a Control")
         except Exception as exc:
             reply = error_reply(DRAFT, exc)
-        if isinstance(reply, bytes):  # the fault hook's malformed reply
-            return reply
         reply.compute_s, reply.ahead_s, self.ahead_s = time.perf_counter() - t0, self.ahead_s, 0.0
         return encode_reply(self.channel, reply)
 
@@ -138,19 +148,10 @@ class Handler:
             return Reply(OK, ACK)
         raise ValueError(f"unknown control op {ctl.op}")
 
-    def _draft(self, req: DraftRequest) -> Reply | bytes:
+    def _draft(self, req: DraftRequest) -> Reply:
         if self.load_error is not None:
             return error_reply(DRAFT, self.load_error)
-        fault = self.options.fault
         self.drafts += 1
-        if fault is not None and self.drafts > fault.after:
-            if fault.kind == "exit":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if fault.kind == "hang":
-                time.sleep(3600)
-            if fault.kind == "malformed":
-                return b"\x01\x00\x00\x00garbage"
-            raise RuntimeError(f"injected worker failure after {fault.after} drafts")
         if self.ahead is not None:
             tokens, source = self.ahead.answer(req)
             return Reply(OK, DRAFT, DraftResult(req.seq_id, tokens).pack(), source)
@@ -186,17 +187,19 @@ def _setup(options: WorkerOptions) -> None:
     pin_to_cpu(options.cpu)
 
 
-def main(spec: DrafterSpec, address, options: WorkerOptions, in_process: bool = False) -> None:
-    """Worker body (a process target; `in_process`: a thread of the engine's process)."""
+def main(spec: DrafterSpec, address, options: WorkerOptions, *, build: Callable, in_process: bool = False,
+         handler_type: type = Handler) -> None:
+    """Worker body (a process target; `in_process`: a thread of the engine's process).
+    `build(spec, target_vocab)` makes the drafter; a `handler_type` instance answers requests."""
     if not in_process:
         _setup(options)
     channel = connect(address)
     try:
         try:
-            drafter, error = build_local(spec, options.target_vocab), None
+            drafter, error = build(spec, options.target_vocab), None
         except Exception as exc:
             drafter, error = None, exc
-        handler = Handler(channel, drafter, error, options, spec)
+        handler = handler_type(channel, drafter, error, options, spec)
         while True:
             try:
                 # A bounded idle wait, not None: after a zero-timeout poll a TCP socket

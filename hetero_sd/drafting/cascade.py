@@ -6,7 +6,7 @@
 A CascadeDrafter proposes the intermediate model's own greedy continuation of
 the context, k tokens of it, and computes them by speculative decoding:
 `inner` drafts up to `k_inner` tokens, the intermediate runner scores them in
-one call (accept_greedy, the engine's rule), keeps the agreeing prefix plus
+one call (sampling.accept_greedy, the engine's rule), keeps the agreeing prefix plus
 its own next token, and repeats until it has k. Any stage may be a
 RemoteDrafter (its own process).
 
@@ -29,14 +29,14 @@ prefix with the context (the target's rejections roll back here too).
 from __future__ import annotations
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafters import Drafter, _apply, common_prefix
-from hetero_sd.engine import accept_greedy
-from hetero_sd.failover import describe
+from hetero_sd.drafting.base import Drafter, apply_delta, common_prefix
+from hetero_sd.errors import describe
 from hetero_sd.ir.errors import ConfigError
-from hetero_sd.ir.work import DraftRequest, DraftResult, VerifyRequest
+from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.sampling import accept_greedy
 
 
-class CascadeDrafter:
+class CascadeDrafter(Drafter):
     """A Drafter whose proposals are `runner`'s greedy tokens, sped up by `inner`."""
 
     def __init__(self, inner: Drafter, runner: Runner, target_vocab: int | None = None, k: int = 4,
@@ -82,11 +82,17 @@ class CascadeDrafter:
     def draft(self, req: DraftRequest) -> DraftResult:
         if self._seq is None:
             raise RuntimeError("CascadeDrafter.begin must be called before draft")
-        _apply(self.context, req)
+        apply_delta(self.context, req)
         out: list[int] = []
         while len(out) < req.k:
             out += self._stage_round(self.context + out, req.seq_id, req.k - len(out))
         return DraftResult(req.seq_id, out[:req.k])
+
+    def wait_ready(self) -> None:
+        self.inner.wait_ready()
+
+    def close(self) -> None:
+        self.inner.close()
 
     # ------------------------------------------------------------ one stage verify
     def _stage_round(self, ctx: list[int], seq_id: int, want: int) -> list[int]:
@@ -99,13 +105,13 @@ class CascadeDrafter:
         feed = ctx[common:]
         ids = self.runner.greedy(self._seq, feed + drafts, common, len(drafts) + 1)
         self.stage_calls += 1
-        result = accept_greedy(VerifyRequest(seq_id, len(ctx) - 1, [ctx[-1]] + drafts), ids)
-        kept = len(ctx) + result.accepted  # the bonus token was never fed
+        accepted, tokens = accept_greedy(drafts, ids)
+        kept = len(ctx) + accepted  # the bonus token was never fed
         self.runner.truncate(self._seq, kept)
         self._cached = (self._cached + feed + drafts)[:kept]
         self.inner_drafted += len(drafts)
-        self.inner_accepted += result.accepted
-        return result.tokens
+        self.inner_accepted += accepted
+        return tokens
 
     def _inner_drafts(self, ctx: list[int], seq_id: int, k: int) -> list[int]:
         if not self._inner_live or k <= 0:

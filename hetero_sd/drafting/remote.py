@@ -1,14 +1,16 @@
 """Drafters in their own processes, supervised by the engine.
 
-    drafter = RemoteDrafter(ModelSpec("/m/draft.gguf", "onnxruntime", "cpu", "int4"),
-                            target_vocab=target.vocab_size, transport="shm", mode="async")
+    drafter = build_drafter(WorkerSpec(ModelSpec("/m/draft.gguf", "onnxruntime", "cpu", "int4"),
+                                       transport="shm", mode="async"), target.vocab_size)
     drafter.wait_ready()              # the worker has loaded its model (raises why it could not)
     engine = Engine(target, drafter, k=5)
 
 A RemoteDrafter is a Drafter: begin / draft / reset become requests to a
-worker process (hetero_sd/worker_main.py) over a transport (shm, tcp, pipe;
-"inproc" runs the worker loop in a thread of this process, for tests). The
-wire format is in worker_wire.py: work-IR records, no pickling after start.
+worker process (worker.py) over a transport (shm, tcp, pipe; "inproc" runs
+the worker loop in a thread of this process, for tests). The wire format is
+in wire.py: work-IR records, no pickling after start. `entry` is the
+process's target, `worker_entry()` of build.py (a test may pass its own, to
+inject faults from outside).
 
 Sampling: at begin the request's draft random stream moves to the worker
 (its exact PCG64 state), so the worker draws what an in-process drafter would;
@@ -26,30 +28,31 @@ does not change). The next begin() starts a fresh worker (its model loads
 again); after `max_failed_starts` failed starts in a row, begin keeps failing.
 
 Asynchronous mode (`mode="async"`): the worker drafts ahead between requests
-(worker_main.py); greedy requests only, a sampled request runs synchronously.
+(worker.py); greedy requests only, a sampled request runs synchronously.
 `stats` counts the rounds served from pre-drafted tokens.
 """
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from hetero_sd import worker_main
+from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.specs import MODES, TRANSPORTS, DrafterSpec, has_distributions
+from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, ERROR, HELLO, PARTIAL, READY, RESET, Control,
+                                     decode_reply, parse_draft, sampling_words)
+from hetero_sd.drafting.worker import WorkerOptions
 from hetero_sd.ir import errors as _errors
 from hetero_sd.ir.errors import BackendError, ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult
 from hetero_sd.transport import CorruptRecord, TransportTimeout, listen
-from hetero_sd.worker_specs import DrafterSpec, FaultSpec, WorkerOptions, has_distributions, hetero_env
-from hetero_sd.worker_wire import (ACK, AHEAD, BEGIN, DRAFT, ERROR, HELLO, PARTIAL, READY, RESET, Control,
-                                   decode_reply, parse_draft, sampling_words)
 
-TRANSPORTS = ("shm", "tcp", "pipe", "inproc")
-MODES = ("sync", "async")
 START_METHODS = ("forkserver", "spawn")
 
 
@@ -94,19 +97,20 @@ def _stop(proc, channel, kill: bool) -> None:
 class _Worker:
     """One started worker: its process (or thread) and the engine's end of the channel."""
 
-    def __init__(self, spec: DrafterSpec, options: WorkerOptions, transport: str, start_method: str):
+    def __init__(self, entry: Callable, spec: DrafterSpec, options: WorkerOptions, transport: str,
+                 start_method: str):
         arena = has_distributions(spec) and transport == "shm"
         region = -(-MAX_DRAFT_TOKENS * options.target_vocab * 8 // 4096) * 4096
         self.channel = listen(transport, **({"arena_regions": 2, "arena_region_bytes": region} if arena else {}))
         try:
             if transport == "inproc":
-                self.proc = threading.Thread(target=worker_main.main, args=(spec, self.channel.address, options,
-                                                                            True), daemon=True, name="hsd-drafter")
+                self.proc = threading.Thread(target=entry, args=(spec, self.channel.address, options),
+                                             kwargs={"in_process": True}, daemon=True, name="hsd-drafter")
             else:
                 ctx = multiprocessing.get_context(start_method)
                 if start_method == "forkserver":  # workers fork from a server with these imported
-                    ctx.set_forkserver_preload(["hetero_sd.worker_main", "hetero_sd.drafters"])
-                self.proc = ctx.Process(target=worker_main.main, args=(spec, self.channel.address, options),
+                    ctx.set_forkserver_preload(["hetero_sd.drafting.build"])
+                self.proc = ctx.Process(target=entry, args=(spec, self.channel.address, options),
                                         daemon=True, name="hsd-drafter")
             self.proc.start()
             self.channel.handed_over()
@@ -131,26 +135,25 @@ class _Worker:
             self.channel.rx_arena.release(region)
 
 
-class RemoteDrafter:
+class RemoteDrafter(Drafter):
     """A Drafter whose drafter runs in a worker process (module docstring)."""
 
-    def __init__(self, spec: DrafterSpec, target_vocab: int, *, transport: str = "shm", mode: str = "sync",
-                 timeout_s: float = 5.0, start_timeout_s: float = 300.0, lookahead: int | None = None,
-                 threads: int | None = None, cpu: int | None = None, start_method: str = "forkserver",
-                 max_failed_starts: int = 3, fault: FaultSpec | None = None, start: bool = True):
+    def __init__(self, spec: DrafterSpec, target_vocab: int, *, entry: Callable, transport: str = "shm",
+                 mode: str = "sync", timeout_s: float = 5.0, start_timeout_s: float = 300.0,
+                 lookahead: int | None = None, threads: int | None = None, cpu: int | None = None,
+                 start_method: str = "forkserver", max_failed_starts: int = 3, start: bool = True):
         for value, allowed, what in ((transport, TRANSPORTS, "transport"), (mode, MODES, "mode"),
                                      (start_method, START_METHODS, "start_method")):
             if value not in allowed:
                 raise ConfigError(f"worker {what} {value!r} is not one of {', '.join(allowed)}")
         if timeout_s <= 0 or start_timeout_s <= 0:
             raise ConfigError(f"worker timeouts must be positive, got {timeout_s} and {start_timeout_s}")
-        if transport == "inproc" and fault is not None and fault.kind == "exit":
-            raise ConfigError("an in-process (thread) worker cannot exit alone; use a process transport")
-        self.spec, self.transport, self.mode, self.start_method = spec, transport, mode, start_method
+        self.entry, self.spec, self.transport, self.mode = entry, spec, transport, mode
+        self.start_method = start_method
         self.vocab, self.timeout_s, self.start_timeout_s = target_vocab, timeout_s, start_timeout_s
         self.max_failed_starts = max_failed_starts
         self.options = WorkerOptions(target_vocab, mode, lookahead, threads, cpu,
-                                     hetero_env() if transport != "inproc" else {}, fault)
+                                     hetero_env() if transport != "inproc" else {})
         self.name = f"{spec.label}@{transport}" + ("-async" if mode == "async" else "")
         self.stats = WorkerStats()
         self._w: _Worker | None = None
@@ -168,7 +171,7 @@ class RemoteDrafter:
     def start(self) -> None:
         """Start a worker (returns at once; wait_ready() waits for its model)."""
         self.close()
-        self._w = _Worker(self.spec, self.options, self.transport, self.start_method)
+        self._w = _Worker(self.entry, self.spec, self.options, self.transport, self.start_method)
         self._ready = self._warm = False
         self.stats.starts += 1
 
@@ -307,6 +310,12 @@ class RemoteDrafter:
         self._ready = self._warm = False
 
 
+def hetero_env() -> dict:
+    """The HETERO_SD_* environment a worker must see: a forkserver child inherits
+    the server's environment, not the engine's current one."""
+    return {k: v for k, v in os.environ.items() if k.startswith("HETERO_SD_")}
+
+
 def _worker_exception(text: str, name: str) -> Exception:
     """The worker's error as the same HeteroSDError class where it is one."""
     cls_name, _, message = text.partition(": ")
@@ -316,4 +325,4 @@ def _worker_exception(text: str, name: str) -> Exception:
     return WorkerError(f"drafter worker {name} failed: {text}")
 
 
-__all__ = ["MODES", "TRANSPORTS", "RemoteDrafter", "WorkerError", "WorkerStats"]
+__all__ = ["RemoteDrafter", "WorkerError", "WorkerStats"]

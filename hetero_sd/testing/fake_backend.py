@@ -1,11 +1,19 @@
 """The fake backend: declared devices, costs and failures around real tokens.
 
+A testing utility, not a built-in: nothing registers it unless a test or a
+plugin author does, in the environment (so worker processes see it too) or in
+code:
+
+    HETERO_SD_BACKENDS=fake=hetero_sd.testing.fake_backend:FakeBackend   # PLUGIN below
+    registry.backends["fake"] = FakeBackend(devices=[...])
+
 It exists to test the splitter, the profiler and fault tolerance without
 accelerators. Each fake device wraps a real runner (by default the torch
 backend's CPU runner on the same model IR), so its tokens are the real
 model's and lossless tests run through it. On top it
 - declares costs (prefill per token, decode per token, a verify(T) curve) that
-  the profiler reads through `declared_costs` and that `simulate_time` turns
+  that a test reads through `declared_costs` (to give the profiler figures
+  that do not depend on this machine's load) and that `simulate_time` turns
   into sleeps;
 - injects failures: on load, or after N runner calls an error, a hang, or
   malformed / garbage output.
@@ -41,7 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, resolve
 from hetero_sd.ir.errors import BackendError, ConfigError
 
-ENV = "HETERO_SD_FAKE_BACKEND"
+ENV = "HETERO_SD_FAKE_BACKEND"  # the devices (JSON, or a YAML/JSON file)
+PLUGIN = "fake=hetero_sd.testing.fake_backend:FakeBackend"  # for HETERO_SD_BACKENDS
 
 
 class _Spec(BaseModel):
@@ -354,3 +363,14 @@ class FakeRunner:
         if isinstance(out, np.ndarray):
             return np.full_like(out, np.nan)
         return [self.vocab_size] * len(out)
+
+
+def declared_figures(runner: FakeRunner, settings) -> dict:
+    """What profiler.measure_runner measures (prefill, one-token step, verify
+    widths), read from the runner's declared costs instead of a clock: a test
+    whose outcome depends on the splitter's choice patches this in, so the
+    choice does not depend on how loaded the machine is."""
+    costs = runner.declared_costs()
+    return {"prefill": [(n, costs.prefill_s(n)) for n in sorted(set(settings.prompt_lengths))],
+            "decode_s": costs.decode_s(),
+            "verify": [(w, costs.call_s(w, w)) for w in range(1, settings.k_max + 2)]}

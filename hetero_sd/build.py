@@ -1,0 +1,77 @@
+"""From a validated Config to an Engine's constructor arguments, on one path:
+
+    config --spec_from_config / auto.plan_engine--> EngineSpec --build--> runners + drafter
+
+`build(spec, load)` checks every placement before any model loads (a typo
+fails in a second), checks that every draft model shares the target's
+tokenizer, starts worker drafters, loads the target while they load, and
+waits for them. `load` is a loading.Loader: the one way runners are loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero_sd.auto import plan_engine
+from hetero_sd.config import Config
+from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.build import build_drafter
+from hetero_sd.drafting.specs import model_specs
+from hetero_sd.errors import ConfigError
+from hetero_sd.loading import Loader
+from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
+from hetero_sd.spec import EngineSpec, spec_from_config
+
+
+@dataclass
+class Built:
+    target: object  # a Runner
+    drafter: Drafter | None
+    tokenizer: object
+    eos_ids: tuple[int, ...]
+
+
+def build(spec: EngineSpec, load: Loader) -> Built:
+    models = list(model_specs(spec.drafter))
+    for model in [spec.target] + models:
+        load.check(model)
+    target_ir = load.ir(spec.target.model)
+    tokenizer = target_ir.load_tokenizer()
+    for model in models:
+        if load.ir(model.model).source.resolve() != target_ir.source.resolve():
+            _check_same_tokenizer(tokenizer, load.ir(model.model))
+    drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
+    try:
+        target = load(spec.target)
+        if drafter is not None:
+            drafter.wait_ready()
+    except BaseException:
+        if drafter is not None:
+            drafter.close()
+        raise
+    eos = set(target_ir.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Built(target, drafter, tokenizer, tuple(sorted(eos)))
+
+
+def _check_same_tokenizer(target_tok, draft_ir) -> None:
+    """Equal vocabulary sizes are not enough: the same id must mean the same text."""
+    if draft_ir.load_tokenizer().get_vocab() != target_tok.get_vocab():
+        raise ConfigError(f"draft model {draft_ir.source} has the target's vocabulary size but a "
+                          "different tokenizer; draft and target must share a tokenizer")
+
+
+def engine_arguments(cfg: Config, progress: bool = False) -> dict:
+    """Keyword arguments for Engine(...): everything the config describes, built."""
+    load = Loader(progress=progress)
+    plan = fallback = None
+    if cfg.placement == "auto":
+        spec, policy, fallback, plan = plan_engine(cfg, load)
+    else:
+        spec = spec_from_config(cfg)
+        policy = AdaptiveDraftLength(spec.k_max) if spec.k == "auto" else FixedDraftLength(spec.k)
+    built = build(spec, load)
+    gen = cfg.generation
+    return dict(target=built.target, drafter=built.drafter, tokenizer=built.tokenizer, eos_ids=built.eos_ids,
+                max_new_tokens=gen.max_new_tokens, stop=tuple(gen.stop), chat_template=gen.chat_template,
+                sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=fallback, plan=plan)

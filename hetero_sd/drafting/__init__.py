@@ -1,0 +1,22 @@
+"""Drafting: everything that proposes tokens for the target to verify.
+
+    base.py     the Drafter contract (required and optional methods), context deltas
+    ngram.py    prompt lookup (model-free)
+    model.py    a draft model on any backend
+    cascade.py  k-stage cascades: each stage verifies the one inside it
+    specs.py    the drafter spec tree a config or a plan becomes
+    build.py    build_drafter(spec, ...): the one place drafters are constructed
+    remote.py   a drafter in a worker process (RemoteDrafter), supervised
+    worker.py   the worker process's loop (and asynchronous drafting ahead)
+    wire.py     what RemoteDrafter and its worker say to each other
+
+No module here imports the engine: acceptance rules live in hetero_sd.sampling.
+"""
+from hetero_sd.drafting.base import Drafter, apply_delta, common_prefix
+from hetero_sd.drafting.cascade import CascadeDrafter
+from hetero_sd.drafting.model import ModelDrafter
+from hetero_sd.drafting.ngram import NgramDrafter
+from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, WorkerSpec
+
+__all__ = ["CascadeDrafter", "CascadeSpec", "Drafter", "DrafterSpec", "ModelDrafter", "ModelSpec", "NgramDrafter",
+           "NgramSpec", "WorkerSpec", "apply_delta", "common_prefix"]

@@ -1,0 +1,70 @@
+"""A draft model: a smaller (or cheaper-precision) model on any backend.
+
+Cache off-by-one, written down: after a round the draft model's cache holds
+the tokens it was fed, i.e. the context up to the last committed token minus
+one, plus the drafts d1..d(k-1) (dk was sampled, never fed). The target then
+commits the accepted drafts and a bonus token, so the draft cache is either
+ahead (rejected drafts: truncate them) or behind by up to two tokens (dk and
+the bonus: feed them). `ModelDrafter._sync` handles both by keeping the
+longest common prefix of what is cached and what is committed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_sd.backends.base import Runner
+from hetero_sd.drafting.base import Drafter, apply_delta, common_prefix
+from hetero_sd.ir.errors import ConfigError
+from hetero_sd.ir.work import DraftRequest, DraftResult
+
+
+class ModelDrafter(Drafter):
+    """Greedy drafts, or sampled ones (with their distributions q) when the request samples."""
+
+    name = "model"
+
+    def __init__(self, runner: Runner, target_vocab: int, draft_desc: str = "draft model"):
+        if runner.vocab_size != target_vocab:
+            raise ConfigError(
+                f"{draft_desc} has a vocabulary of {runner.vocab_size} tokens but the target has "
+                f"{target_vocab}; draft and target must share a tokenizer")
+        self.runner = runner
+        self._seq: int | None = None
+        self.context: list[int] = []
+        self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
+        self._sampler = None
+
+    def reset(self) -> None:
+        if self._seq is not None:
+            self.runner.release(self._seq)
+        self._seq, self.context, self._cached, self._sampler = None, [], [], None
+
+    def begin(self, capacity: int, sampler=None) -> None:
+        self.reset()
+        self._seq = self.runner.allocate(capacity)
+        self._sampler = sampler
+
+    def _sync(self) -> list[int]:
+        """Truncate the cache to the common prefix; return the tokens still to feed."""
+        # always feed >= 1 token to get logits
+        common = min(common_prefix(self._cached, self.context), len(self.context) - 1)
+        self.runner.truncate(self._seq, common)
+        del self._cached[common:]
+        return self.context[common:]
+
+    def draft(self, req: DraftRequest) -> DraftResult:
+        apply_delta(self.context, req)
+        if self._seq is None:
+            raise RuntimeError("ModelDrafter.begin must be called before draft")
+        feed, out, probs = self._sync(), [], []
+        for _ in range(req.k):
+            start = len(self._cached)
+            if self._sampler is None:
+                token = self.runner.greedy(self._seq, feed, start, 1)[0]
+            else:
+                token, q = self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
+                probs.append(q)
+            self._cached.extend(feed)
+            out.append(token)
+            feed = [token]
+        return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)

@@ -1,0 +1,57 @@
+"""Prompt lookup: draft what followed the latest earlier occurrence of the last n tokens."""
+from __future__ import annotations
+
+from hetero_sd.drafting.base import Drafter, apply_delta
+from hetero_sd.ir.errors import ConfigError
+from hetero_sd.ir.work import DraftRequest, DraftResult
+
+
+class NgramDrafter(Drafter):
+    """Find the latest earlier occurrence of the last n tokens (n from
+    max_ngram down to min_ngram) and propose what followed it.
+
+    The index is incremental: each committed token adds one entry per n, so a
+    lookup is O(max_ngram) whatever the context length.
+    """
+
+    name = "ngram"  # deterministic proposals: under sampling its q is one-hot (probs=None)
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.reset()
+
+    def begin(self, capacity: int, sampler=None) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.context: list[int] = []
+        self._indexed = 0  # positions e < _indexed have their preceding n-grams indexed
+        self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+
+    def _update_index(self) -> None:
+        ctx = self.context
+        # Entry (n-gram ending at e-1) -> e, the position of the token after it.
+        for e in range(max(self._indexed, 1), len(ctx)):
+            for n, table in self._index.items():
+                if e >= n:
+                    table[tuple(ctx[e - n:e])] = e
+        self._indexed = max(self._indexed, len(ctx))
+
+    def draft(self, req: DraftRequest) -> DraftResult:
+        if req.base_len < self._indexed:  # rolled back past indexed tokens: rebuild
+            context = apply_delta(self.context, req)
+            self.reset()
+            self.context = context
+        else:
+            apply_delta(self.context, req)
+        self._update_index()
+        ctx = self.context
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) < n:
+                continue
+            e = self._index[n].get(tuple(ctx[-n:]))
+            if e is not None:
+                return DraftResult(req.seq_id, ctx[e:e + req.k])
+        return DraftResult(req.seq_id, [])

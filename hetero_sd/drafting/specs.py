@@ -1,0 +1,98 @@
+"""The drafter spec tree: small, frozen, picklable descriptions of drafters.
+
+A config (or the splitter's plan) becomes one of these trees, and
+`drafting.build.build_drafter` is the one function that turns a tree into
+drafters: in the engine's process, or inside a worker process for the part of
+the tree under a WorkerSpec.
+
+    NgramSpec(min_ngram=2, max_ngram=4)                                   prompt lookup
+    ModelSpec("/m/draft.gguf", "onnxruntime", "cpu", "int4")              a draft model
+    CascadeSpec(inner=NgramSpec(), stage=ModelSpec(...), k=4)             ngram drafts, the model verifies
+    WorkerSpec(inner=ModelSpec(...), transport="shm", mode="async")       in its own process
+
+ModelSpec is also what `loading.Loader` loads a runner from (the target too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Union
+
+DEFAULT_KV_BUDGET = 256 * 2**20
+TRANSPORTS = ("shm", "tcp", "pipe", "inproc")  # inproc: the worker loop in a thread (tests)
+MODES = ("sync", "async")  # async: the worker drafts ahead while the target verifies (greedy)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: str  # a HF folder or .gguf file, resolved (a worker process has no YAML folder)
+    backend: str = "torch"
+    device: str = "cpu"
+    precision: str = "default"
+    kv_budget: int = DEFAULT_KV_BUDGET
+    role: str = "draft model"  # how errors and progress bars name it ("target", "drafter.stages.0")
+
+    @property
+    def label(self) -> str:
+        return f"{Path(self.model).name}@{self.backend}:{self.device}:{self.precision}"
+
+
+@dataclass(frozen=True)
+class NgramSpec:
+    min_ngram: int = 2
+    max_ngram: int = 4
+
+    @property
+    def label(self) -> str:
+        return "ngram"
+
+
+@dataclass(frozen=True)
+class CascadeSpec:
+    """`inner` drafts k tokens at a time for the `stage` model to verify; the
+    stage's greedy continuation is what the cascade proposes."""
+
+    inner: "DrafterSpec"
+    stage: ModelSpec
+    k: int = 4
+
+    @property
+    def label(self) -> str:
+        return f"cascade({self.inner.label}>{self.stage.label})"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """`inner` (and everything inside it) runs in a worker process the engine
+    starts and supervises, reached over `transport`."""
+
+    inner: "DrafterSpec"
+    transport: str = "shm"
+    mode: str = "sync"
+    timeout_s: float = 5.0  # a slower reply means a hung worker (it is killed)
+    start_timeout_s: float = 300.0  # the same for its start and first draft (model load)
+    threads: int | None = None  # the worker's compute threads; None: the runtime's default
+
+    @property
+    def label(self) -> str:
+        return f"{self.inner.label}@{self.transport}" + ("-async" if self.mode == "async" else "")
+
+
+DrafterSpec = Union[NgramSpec, ModelSpec, CascadeSpec, WorkerSpec]
+
+
+def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
+    """Every model the tree loads, innermost first."""
+    if isinstance(spec, ModelSpec):
+        yield spec
+    elif isinstance(spec, CascadeSpec):
+        yield from model_specs(spec.inner)
+        yield spec.stage
+    elif isinstance(spec, WorkerSpec):
+        yield from model_specs(spec.inner)
+
+
+def has_distributions(spec: DrafterSpec) -> bool:
+    """Whether the drafter returns draft distributions under sampling (a
+    cascade's and an n-gram's proposals are deterministic: q is one-hot)."""
+    return isinstance(spec, ModelSpec) or isinstance(spec, WorkerSpec) and has_distributions(spec.inner)

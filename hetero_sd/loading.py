@@ -1,0 +1,75 @@
+"""Loading runners: the one place a ModelSpec becomes a Runner.
+
+    loader = Loader(progress=True)
+    loader.check(spec)        # backend, device and precision exist here (probes only, loads nothing)
+    runner = loader(spec)     # the model loaded on its placement, with a progress bar
+
+A Loader reads each model file's IR once, so a target and a draft on the same
+file share it. The engine's builder, placement: auto and worker processes all
+load through it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.registry import BUILTINS, Registry, discover, load_builtin
+from hetero_sd.drafting.specs import ModelSpec
+from hetero_sd.errors import BackendError
+from hetero_sd.ir.model import ModelIR, load_model_ir
+
+
+class Loader:
+    def __init__(self, registry: Registry | None = None, progress: bool = False):
+        self._registry, self.progress = registry, progress
+        self._irs: dict[Path, ModelIR] = {}
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = discover()
+        return self._registry
+
+    def backend(self, name: str):
+        if self._registry is None and name in BUILTINS:  # a worker: import only the backend it needs
+            return load_builtin(name)
+        return self.registry.get(name)
+
+    def ir(self, model: str | Path) -> ModelIR:
+        path = Path(model).resolve()
+        if path not in self._irs:
+            self._irs[path] = load_model_ir(path)
+        return self._irs[path]
+
+    def check(self, spec: ModelSpec) -> tuple[DeviceInfo, PrecisionInfo]:
+        """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
+        try:
+            return resolve(self.backend(spec.backend).probe(), spec.backend, spec.device, spec.precision)
+        except BackendError as exc:
+            raise BackendError(f"{spec.role}: {exc}") from None
+
+    def __call__(self, spec: ModelSpec) -> Runner:
+        info, precision = self.check(spec)
+        update, bar = _progress_bar(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} "
+                                                   f"{precision.name}")
+        try:
+            return self.backend(spec.backend).load(self.ir(spec.model), info.device, precision.name,
+                                                   spec.kv_budget, progress=update)
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _progress_bar(enabled: bool, label: str):
+    if not enabled:
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(desc=label, unit="tensor", leave=False)
+
+    def update(i: int, total: int, name: str) -> None:
+        bar.total = total
+        bar.update(1)
+        bar.set_postfix_str(name[-40:], refresh=False)
+
+    return update, bar

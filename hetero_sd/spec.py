@@ -1,0 +1,64 @@
+"""A config becomes one typed spec tree: where the target runs and what drafts for it.
+
+    EngineSpec(target=ModelSpec(..., role="target"),
+               drafter=WorkerSpec(CascadeSpec(NgramSpec(), ModelSpec(... int4)), transport="shm"),
+               k="auto", k_max=8)
+
+`spec_from_config` reads a manual placement; placement: auto makes the same
+tree from the splitter's plan (auto.py). `build.build` turns either into
+runners and drafters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetero_sd.config import Config, resolve_model
+from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, WorkerSpec
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    target: ModelSpec
+    drafter: DrafterSpec | None  # None: target-only
+    k: int | str = 5  # drafts per round, or "auto" (adaptive, up to k_max)
+    k_max: int = 8
+
+
+def config_dir(cfg: Config) -> Path | None:
+    """The folder relative model paths are resolved against (the YAML's)."""
+    return Path(cfg.source).parent if cfg.source != "<defaults>" else None
+
+
+def model_path(cfg: Config, model: str | None) -> str:
+    """A section's model, resolved; None means the target's."""
+    return str(resolve_model(model or cfg.target.model, config_dir(cfg)))
+
+
+def placed(cfg: Config, section, role: str) -> ModelSpec:
+    """The ModelSpec of a config section with model / backend / device / precision keys."""
+    return ModelSpec(model_path(cfg, section.model), section.backend, section.device, section.precision,
+                     cfg.memory.kv_budget, role)
+
+
+def _in_worker(spec: DrafterSpec, level) -> DrafterSpec:
+    if level.process != "worker":
+        return spec
+    return WorkerSpec(spec, level.transport, level.mode, level.timeout_s, level.start_timeout_s, level.threads)
+
+
+def spec_from_config(cfg: Config) -> EngineSpec:
+    """placement: manual. The drafter is the innermost level; each stage (the last
+    listed first, stages.0 closest to the target) verifies the level inside it;
+    a level with process: worker runs itself and everything inside it in one worker."""
+    d = cfg.drafter
+    drafter = None
+    if d.kind != "none":
+        drafter = NgramSpec(d.min_ngram, d.max_ngram) if d.kind == "ngram" else placed(cfg, d, "draft model")
+        drafter = _in_worker(drafter, d)
+        default_k = d.k if isinstance(d.k, int) else d.k_max
+        for i in reversed(range(len(d.stages))):
+            stage = d.stages[i]
+            drafter = CascadeSpec(drafter, placed(cfg, stage, f"drafter.stages.{i}"), k=stage.k or default_k)
+            drafter = _in_worker(drafter, stage)
+    return EngineSpec(placed(cfg, cfg.target, "target"), drafter, d.k, d.k_max)
