@@ -8,6 +8,7 @@ classes and register under the `hetero_sd.backends` entry-point group.
                        probe() -> [DeviceInfo]     cheap; [] when the runtime is unusable here
                        load(model, device, precision, kv_budget_bytes, progress=None) -> Runner
              optional  load's `progress(i, total, name)`: call it while streaming weights
+                       (tensor i of total), and with total 0 to name a long step (quantizing)
     Runner   required  device, precision, vocab_size, max_context
                        allocate / forward / greedy / truncate / release   (the decode loop)
                        length / usage                                     (reporting)

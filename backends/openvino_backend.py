@@ -57,6 +57,8 @@ def _ov_model_path(model: ModelIR, precision: str, progress=None):
     mode, kwargs = _NNCF_MODES[precision]
 
     def build(path):
+        if progress is not None:
+            progress(0, 0, f"compressing weights to {precision} with NNCF (once; cached)")
         compressed = nncf.compress_weights(ov.Core().read_model(str(onnx_path)),
                                            mode=getattr(nncf.CompressWeightsMode, mode), **kwargs)
         ov.save_model(compressed, str(path))

@@ -59,6 +59,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None):
     def build(path):
         proto = build_llama_onnx(model, progress)
         if precision in ("int8", "int4"):
+            if progress is not None:
+                progress(0, 0, f"quantizing weights to {precision} (once; cached)")
             proto = _quantize(proto, 8 if precision == "int8" else 4)
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="weights.bin", size_threshold=1024)

@@ -68,8 +68,11 @@ def _progress_bar(enabled: bool, label: str):
     bar = tqdm(desc=label, unit="tensor", leave=False)
 
     def update(i: int, total: int, name: str) -> None:
-        bar.total = total
-        bar.update(1)
-        bar.set_postfix_str(name[-40:], refresh=False)
+        if total:  # tensor i of total
+            bar.total, bar.n = total, i + 1
+            bar.set_postfix_str(name[-40:], refresh=False)
+        else:  # a long step with no count: say what it is
+            bar.set_postfix_str(name, refresh=False)
+        bar.refresh()
 
     return update, bar

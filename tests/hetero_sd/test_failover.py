@@ -195,3 +195,32 @@ def test_engine_swaps_drafter_on_replan_token_identically(ir, at):
     assert got.token_ids == expected
     assert any("acceptance drifted: drafter model -> model" in e for e in got.stats.events)
     assert engine.drafter is second and got.stats.accepted > 0
+
+
+def test_a_replacement_serves_later_requests_and_a_dropped_drafter_is_retried(ir):
+    """Failover persists by design (hetero_sd/failover.py): the next request runs on
+    the replacement target without failing again, while a drafter dropped with no
+    replacement is tried afresh at the next request."""
+    prompt, new = _prompt(5), 20
+    healthy = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    want = Engine(healthy, None).generate_ids(prompt, new).token_ids
+    failing = _fake(3).load(ir, "fake:0", "fp32", BUDGET)
+    replacements = []
+
+    def replacement():
+        replacements.append(_fake().load(ir, "fake:1", "fp32", BUDGET))
+        return replacements[-1]
+
+    once = FakeFailure(after_calls=2, kind="runtime_error", times=1)  # fails one call, then recovers
+    draft_runner = FakeBackend(devices=[FakeDeviceSpec(device="fake:0", failure=once)]).load(ir, "fake:0", "fp32",
+                                                                                              BUDGET)
+    drafter = ModelDrafter(draft_runner, healthy.vocab_size)
+    engine = Engine(failing, drafter, k=3, fallback=RankedFallback(targets=[("fake:1", replacement)]))
+    first = engine.generate_ids(prompt, new)
+    assert first.token_ids == want and engine.target is replacements[0]
+    assert any("target moved" in e for e in first.stats.events)
+    assert any("drafter model failed" in e for e in first.stats.events) and engine.drafter is drafter
+    second = engine.generate_ids(prompt, new)
+    assert second.token_ids == want and len(replacements) == 1  # no second failover
+    assert not any("target" in e for e in second.stats.events)
+    assert second.stats.drafted > 0  # the same drafter drafts again

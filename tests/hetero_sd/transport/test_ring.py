@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from hetero_sd.transport import CorruptRecord, PeerClosed, RecordTooLarge, TransportError, TransportTimeout
 from hetero_sd.transport.ring import CONS_WAITING, PROD_WAITING, SLOT_HEADER, SLOTS_AT, Ring, ring_bytes
+from helpers.waiting import HANG_S, finishes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futex: Linux only")
 
@@ -32,32 +33,9 @@ def payload(i: int, n: int) -> bytes:
     return bytes((i * 31 + j) % 251 for j in range(n))
 
 
-# Generous bounds for "it did not hang" / "it happened": their expiry is the
-# failure; nothing here asserts how fast a wait ends (a loaded CI host is slow).
-HANG_S = 60
 # A waiter that only a FUTEX_WAKE may end: its timeout and check interval both
 # outlast HANG_S, so neither can end the wait before the test gives up on it.
 ASLEEP = dict(spin_us=0, check_interval=5 * HANG_S)
-
-
-def finishes(fn, within: float = HANG_S):
-    """fn() in a daemon thread: its result, or the exception it raised; fails
-    if it is still blocked after `within` seconds."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            box["error"] = exc
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(within)
-    assert not th.is_alive(), f"still blocked after {within} s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def wait_until_asleep(ring: Ring, flag: int) -> None:

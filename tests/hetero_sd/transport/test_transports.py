@@ -22,6 +22,7 @@ from hetero_sd.transport import (
     listen,
 )
 from hetero_sd.transport.serve import serve
+from helpers.waiting import finishes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import transport_peers  # noqa: E402
@@ -29,27 +30,6 @@ import transport_peers  # noqa: E402
 CTX = multiprocessing.get_context("spawn")
 CROSS = [k for k in KINDS if k != "inproc"]
 SHM_OK = os.path.isdir("/dev/shm") and sys.platform.startswith("linux")
-
-
-def finishes(fn, within: float = 60):
-    """fn() in a daemon thread: its result, or the exception it raised; fails if
-    it is still blocked after `within` seconds (a generous bound whose expiry is
-    the failure: nothing here asserts how fast a call returns)."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            box["error"] = exc
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(within)
-    assert not th.is_alive(), f"still blocked after {within} s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def kinds(names):
