@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
-from hetero_sd.backends.graph_cache import cache_dir, cache_root, cached
+from hetero_sd.ir.cache import cache_dir, cache_root, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.onnx_llama import GRAPH_VERSION
 from hetero_sd.backends.ort_backend import export_onnx

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
-from hetero_sd.backends.graph_cache import cache_dir, cached
+from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.onnx_llama import GRAPH_VERSION, build_llama_onnx
 from hetero_sd.ir.model import ModelIR

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hetero_sd.backends.graph_cache import cache_root, model_identity
+from hetero_sd.ir.cache import cache_root, model_identity
 from hetero_sd.backends.registry import Registry, discover
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.model import load_model_ir
@@ -184,12 +184,13 @@ def measure_runner(runner, settings: ProfileSettings) -> dict:
 
 def measure_ngram(rounds: int = 200) -> float:
     """Seconds of one n-gram drafter round on a 256-token context (median of blocks)."""
-    from hetero_sd.drafting.ngram import NgramDrafter
+    from hetero_sd.drafting.build import build_drafter
+    from hetero_sd.drafting.specs import NgramSpec
     from hetero_sd.ir.work import DraftRequest
 
     rng = random.Random(0)
     context = [rng.randrange(64) for _ in range(256)]
-    drafter = NgramDrafter()
+    drafter = build_drafter(NgramSpec(), target_vocab=64)
     drafter.draft(DraftRequest(0, 0, 4, context))
 
     def block():

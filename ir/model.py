@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from hetero_sd.ir import families
+from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.ir.config import ModelConfig
 from hetero_sd.ir.errors import ModelLoadError
 from hetero_sd.ir.weights import GGUFSource, SafetensorsSource, WeightSource
@@ -48,11 +49,20 @@ class ModelIR:
             yield name, self.weights.get(name)
 
     def load_tokenizer(self):
+        """The Hugging Face tokenizer (with its chat template). From a GGUF,
+        transformers builds it by parsing the whole file (seconds to minutes by
+        model size), so the result is saved once to the cache and loaded from there."""
+        import transformers
         from transformers import AutoTokenizer
 
         try:
             if self.fmt == "gguf":
-                return AutoTokenizer.from_pretrained(str(self.source.parent), gguf_file=self.source.name)
+                def build(path: Path) -> None:
+                    tok = AutoTokenizer.from_pretrained(str(self.source.parent), gguf_file=self.source.name)
+                    tok.save_pretrained(str(path))
+
+                folder = cache_dir("tokenizer", self.source, transformers=transformers.__version__)
+                return AutoTokenizer.from_pretrained(str(cached(folder, "tokenizer", build)))
             return AutoTokenizer.from_pretrained(str(self.source))
         except Exception as exc:  # transformers raises many types here
             raise ModelLoadError(f"{self.source}: cannot build a tokenizer ({exc})") from exc

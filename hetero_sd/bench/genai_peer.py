@@ -54,7 +54,7 @@ def draft_ir_folder(path: Path, ov_genai) -> str:
     if path.is_dir():
         return genai_model(path)
     genai_model(path)  # a GGUF, or Skip
-    from hetero_sd.backends.graph_cache import cache_dir, cached
+    from hetero_sd.ir.cache import cache_dir, cached
     from hetero_sd.ir import load_model_ir
 
     folder = cache_dir("genai-ir", load_model_ir(path), genai=ov_genai.__version__)

@@ -34,7 +34,7 @@ def hf_folder(path: Path, transformers) -> Path:
         return path
     if not (path.is_file() and path.suffix == ".gguf"):
         raise Skip(f"transformers needs a Hugging Face folder or a .gguf file; {path} is neither")
-    from hetero_sd.backends.graph_cache import cache_dir, cached
+    from hetero_sd.ir.cache import cache_dir, cached
     from hetero_sd.ir import load_model_ir
 
     folder = cache_dir("transformers", load_model_ir(path), transformers=transformers.__version__)

@@ -125,3 +125,24 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import_and_a_mapped_
     graph = import_graph(tmp_path)
     assert graph["pkg.top"] == {"pkg.low.base"} and graph["pkg.low.base"] == {"pkg.top"}
     assert cycles(graph) == [["pkg.low.base", "pkg.top"]]
+
+
+DRAFTERS = {"NgramDrafter", "ModelDrafter", "CascadeDrafter", "RemoteDrafter"}
+
+
+def test_drafters_are_constructed_in_one_function():
+    """Outside tests, a drafter class is only ever called in drafting.build.build_drafter:
+    the builder, placement: auto and the worker process all go through it."""
+    calls = set()
+
+    def visit(node, module: str, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where = node.name
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in DRAFTERS:
+            calls.add((module, where))
+        for child in ast.iter_child_nodes(node):
+            visit(child, module, where)
+
+    for name, file in project_modules(ROOT).items():
+        visit(ast.parse(file.read_text(), str(file)), name, "<module>")
+    assert calls == {("hetero_sd.drafting.build", "build_drafter")}, sorted(calls)

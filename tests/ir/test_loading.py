@@ -358,3 +358,22 @@ def test_tokenizer_missing_raises_model_load_error(tiny_model_dir, tmp_path):
     ir = load_model_ir(folder)  # weights and config are fine
     with pytest.raises(ModelLoadError, match="tokenizer"):
         ir.load_tokenizer()
+
+
+def test_a_gguf_tokenizer_is_built_once_and_then_read_from_the_cache(tiny_gguf, monkeypatch):
+    """Building a tokenizer from a GGUF parses the whole file; the second load reads
+    the saved one, which tokenizes and templates exactly as the first."""
+    import transformers
+
+    ir = load_model_ir(tiny_gguf("qwen2", "F32"))
+    first = ir.load_tokenizer()
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def no_gguf(*args, **kwargs):
+        assert "gguf_file" not in kwargs, "the GGUF was parsed again"
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)
+    again = ir.load_tokenizer()
+    assert _check_tokenizer(again, "cached GGUF") == _check_tokenizer(first, "GGUF")
+    assert again.get_vocab() == first.get_vocab() and again.chat_template == first.chat_template

@@ -1,6 +1,7 @@
-"""On-disk cache of lowered graphs (ONNX, compiled blobs), keyed by what they
-depend on: the model file's identity, the graph builder's version, the
-precision and the runtime's version. A stale key simply misses."""
+"""On-disk cache of what is derived from a model (lowered graphs, compiled
+blobs, a tokenizer built from a GGUF), keyed by what it depends on: the model
+files' identity (path, size, mtime) and the builder's and runtime's versions.
+A stale key simply misses. Root: $HETERO_SD_CACHE, else ~/.cache/hetero-sd."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +12,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from hetero_sd.ir.model import ModelIR
 
 
 def cache_root() -> Path:
@@ -20,17 +20,19 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def model_identity(model: ModelIR) -> dict:
-    """Identity of the weights on disk: every file they come from, with size and mtime."""
-    src = model.source
+def model_identity(model) -> dict:
+    """Identity of the weights on disk (a ModelIR's, or a model path's): every file
+    they come from, with size and mtime."""
+    src = Path(getattr(model, "source", model))
     files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in (".safetensors", ".json"))
     return {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
-def cache_dir(kind: str, model: ModelIR, **parts) -> Path:
+def cache_dir(kind: str, model, **parts) -> Path:
+    """The folder for `kind` derived from `model` (a ModelIR or a model path)."""
     key = json.dumps({"model": model_identity(model), **parts}, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return cache_root() / kind / f"{model.source.stem}-{digest}"
+    return cache_root() / kind / f"{Path(getattr(model, 'source', model)).stem}-{digest}"
 
 
 def cached(folder: Path, filename: str, build: Callable[[Path], None]) -> Path:
