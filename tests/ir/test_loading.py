@@ -377,3 +377,28 @@ def test_a_gguf_tokenizer_is_built_once_and_then_read_from_the_cache(tiny_gguf, 
     again = ir.load_tokenizer()
     assert _check_tokenizer(again, "cached GGUF") == _check_tokenizer(first, "GGUF")
     assert again.get_vocab() == first.get_vocab() and again.chat_template == first.chat_template
+
+
+@pytest.mark.parametrize("variant, qtype", [("llama", "Q8_0"), ("qwen2", "F32")])
+def test_the_fast_gguf_reader_reads_what_gguf_reads(tiny_gguf, variant, qtype):
+    """Array fields read as one block: every scalar and numeric array as the gguf
+    package reads it, string arrays with the same element count, the same tensors."""
+    import gguf
+
+    from hetero_sd.ir.model import _fast_reader
+
+    path = str(tiny_gguf(variant, qtype))
+    fast, stock = _fast_reader()(path), gguf.GGUFReader(path)
+    assert list(fast.fields) == list(stock.fields)
+    string_arrays = 0
+    for key, want in stock.fields.items():
+        got = fast.fields[key]
+        assert (got.offset, got.types[0]) == (want.offset, want.types[0]), key
+        if want.types[0] == gguf.GGUFValueType.ARRAY and want.types[-1] == gguf.GGUFValueType.STRING:
+            string_arrays += 1
+            assert int(got.parts[4][0]) == len(want.data), key
+        else:
+            assert got.contents() == want.contents(), key
+    assert string_arrays >= 2  # the vocabulary and the merges at least
+    assert [(t.name, t.tensor_type, t.data_offset, tuple(t.shape), t.data.tobytes()) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, tuple(t.shape), t.data.tobytes()) for t in stock.tensors]
