@@ -35,10 +35,10 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     for model in [spec.target] + models:
         load.check(model)
     target_ir = load.ir(spec.target.model)
-    tokenizer = target_ir.load_tokenizer()
+    tokenizer = load.tokenizer(spec.target.model)
     for model in models:
         if load.ir(model.model).source.resolve() != target_ir.source.resolve():
-            _check_same_tokenizer(tokenizer, load.ir(model.model))
+            _check_same_tokenizer(tokenizer, load.tokenizer(model.model), model.model)
     drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
     try:
         target = load(spec.target)
@@ -54,10 +54,10 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     return Built(target, drafter, tokenizer, tuple(sorted(eos)))
 
 
-def _check_same_tokenizer(target_tok, draft_ir) -> None:
+def _check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
     """Equal vocabulary sizes are not enough: the same id must mean the same text."""
-    if draft_ir.load_tokenizer().get_vocab() != target_tok.get_vocab():
-        raise ConfigError(f"draft model {draft_ir.source} has the target's vocabulary size but a "
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        raise ConfigError(f"draft model {draft_path} has the target's vocabulary size but a "
                           "different tokenizer; draft and target must share a tokenizer")
 
 

@@ -41,6 +41,15 @@ class Loader:
             self._irs[path] = load_model_ir(path)
         return self._irs[path]
 
+    def tokenizer(self, model: str | Path):
+        """The model's tokenizer (built once from a GGUF and cached, with a progress line)."""
+        update, bar = _progress_bar(self.progress, f"tokenizer of {Path(model).name}")
+        try:
+            return self.ir(model).load_tokenizer(progress=update)
+        finally:
+            if bar is not None:
+                bar.close()
+
     def check(self, spec: ModelSpec) -> tuple[DeviceInfo, PrecisionInfo]:
         """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
         try:

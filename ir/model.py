@@ -48,16 +48,19 @@ class ModelIR:
                 progress(i, len(names), name)
             yield name, self.weights.get(name)
 
-    def load_tokenizer(self):
+    def load_tokenizer(self, progress: Callable[[int, int, str], None] | None = None):
         """The Hugging Face tokenizer (with its chat template). From a GGUF,
         transformers builds it by parsing the whole file (seconds to minutes by
-        model size), so the result is saved once to the cache and loaded from there."""
+        model size), so the result is saved once to the cache and loaded from there;
+        `progress(0, 0, what)` is told when that build starts."""
         import transformers
         from transformers import AutoTokenizer
 
         try:
             if self.fmt == "gguf":
                 def build(path: Path) -> None:
+                    if progress is not None:
+                        progress(0, 0, "building the tokenizer from the GGUF (once; cached)")
                     tok = AutoTokenizer.from_pretrained(str(self.source.parent), gguf_file=self.source.name)
                     tok.save_pretrained(str(path))
 
