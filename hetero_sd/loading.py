@@ -43,12 +43,12 @@ class Loader:
 
     def tokenizer(self, model: str | Path):
         """The model's tokenizer (built once from a GGUF and cached, with a progress line)."""
-        update, bar = _progress_bar(self.progress, f"tokenizer of {Path(model).name}")
+        progress = _Progress(f"tokenizer of {Path(model).name}") if self.progress else None
         try:
-            return self.ir(model).load_tokenizer(progress=update)
+            return self.ir(model).load_tokenizer(progress=progress)
         finally:
-            if bar is not None:
-                bar.close()
+            if progress is not None:
+                progress.close()
 
     def check(self, spec: ModelSpec) -> tuple[DeviceInfo, PrecisionInfo]:
         """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
@@ -59,29 +59,35 @@ class Loader:
 
     def __call__(self, spec: ModelSpec) -> Runner:
         info, precision = self.check(spec)
-        update, bar = _progress_bar(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} "
-                                                   f"{precision.name}")
+        label = f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
+        progress = _Progress(label) if self.progress else None
         try:
             return self.backend(spec.backend).load(self.ir(spec.model), info.device, precision.name,
-                                                   spec.kv_budget, progress=update)
+                                                   spec.kv_budget, progress=progress)
         finally:
-            if bar is not None:
-                bar.close()
+            if progress is not None:
+                progress.close()
 
 
-def _progress_bar(enabled: bool, label: str):
-    if not enabled:
-        return None, None
-    from tqdm import tqdm
+class _Progress:
+    """A progress(i, total, name) callback drawing a tqdm bar on first use (a
+    step that never reports, like a cached load, draws nothing)."""
 
-    bar = tqdm(desc=label, unit="tensor", leave=False)
+    def __init__(self, label: str):
+        self.label, self.bar = label, None
 
-    def update(i: int, total: int, name: str) -> None:
+    def __call__(self, i: int, total: int, name: str) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.label, unit="tensor", leave=False)
         if total:  # tensor i of total
-            bar.total, bar.n = total, i + 1
-            bar.set_postfix_str(name[-40:], refresh=False)
+            self.bar.total, self.bar.n = total, i + 1
+            self.bar.set_postfix_str(name[-40:], refresh=False)
         else:  # a long step with no count: say what it is
-            bar.set_postfix_str(name, refresh=False)
-        bar.refresh()
+            self.bar.set_postfix_str(name, refresh=False)
+        self.bar.refresh()
 
-    return update, bar
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
