@@ -126,7 +126,8 @@ def _plan(cfg: Config, engine, name: str, place: tuple, placements: dict[tuple, 
                                    own_greedy=placements[place], load_s=load_s, hidden=True), True))
         todo.append((RunResult(name, "ours", f"{Path(cfg.source).name}: {_drafter_label(cfg)}, target {where}",
                                {"config": cfg.source, "target": where, "drafter": cfg.drafter.model_dump()},
-                               own_greedy=placements[place], load_s=load_s, baseline=paired), False))
+                               own_greedy=placements[place], load_s=load_s,
+                               baseline=paired or placements[place]), False))
     return todo
 
 

@@ -223,3 +223,26 @@ def test_add_parser_registers_the_subcommand():
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "--config", "a.yaml", "--config", "b.yaml", "--peers", "none"])
     assert args.func is run and args.config == ["a.yaml", "b.yaml"] and args.max_new_tokens == 128
+
+
+def test_every_configuration_is_divided_by_its_own_placements_target_only():
+    """A configuration on a second target placement is compared with that placement's
+    target-only run, not with the first placement's (the reference)."""
+    from types import SimpleNamespace
+
+    from hetero_sd.bench.ours import _plan
+    from hetero_sd.config import Config
+
+    def engine(device, precision):
+        return SimpleNamespace(target=SimpleNamespace(device=SimpleNamespace(device=device),
+                                                      precision=SimpleNamespace(name=precision)), drafter=object())
+
+    placements: dict = {}
+    first = _plan(Config(), engine("cpu", "int4"), "a", ("onnxruntime", "cpu", "int4"), placements, 0.0)
+    second = _plan(Config(), engine("cpu", "fp32"), "b", ("torch", "cpu", "fp32"), placements, 0.0)
+    again = _plan(Config(), engine("cpu", "fp32"), "c", ("torch", "cpu", "fp32"), placements, 0.0)
+    (base_a, _), (run_a, _) = first
+    (base_b, _), (run_b, _) = second
+    (paired_c, _), (run_c, _) = again
+    assert run_a.baseline == base_a.name and run_b.baseline == base_b.name != base_a.name
+    assert run_c.baseline == paired_c.name and paired_c.hidden  # a later config gets a fresh paired run
