@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero_sd.auto import plan_engine
+from hetero_sd.backends.registry import discover
 from hetero_sd.config import Config
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.build import build_drafter
@@ -63,7 +64,7 @@ def _check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
 
 def engine_arguments(cfg: Config, progress: bool = False) -> dict:
     """Keyword arguments for Engine(...): everything the config describes, built."""
-    load = Loader(progress=progress)
+    load = Loader(discover(), progress=progress)  # every backend, plugins included, and why any is broken
     plan = fallback = None
     if cfg.placement == "auto":
         spec, policy, fallback, plan = plan_engine(cfg, load)

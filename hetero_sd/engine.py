@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.errors import GenerationError
@@ -80,7 +79,10 @@ class Engine:
         `overrides` are dotted keys, e.g. {"generation.max_new_tokens": 32}."""
         from hetero_sd.build import engine_arguments
         from hetero_sd.config import Config, load_config
+        from hetero_sd.errors import ConfigError
 
+        if isinstance(config, Config) and overrides:
+            raise ConfigError("overrides apply to a YAML path; pass load_config(path, overrides) instead")
         cfg = config if isinstance(config, Config) else load_config(config, overrides)
         return cls(**engine_arguments(cfg, progress=progress))
 
@@ -140,6 +142,11 @@ class Engine:
             run.run()
         except GenerationError as exc:
             exc.partial = run.close()  # output produced so far is kept
+            if exc.partial.token_ids:
+                exc.args = (f"{exc}; {len(exc.partial.token_ids)} tokens were produced before it",)
+            raise
+        except BaseException:  # Ctrl-C, a request that cannot fit, ...: the sequence is still freed
+            run.close()
             raise
         return run.close()
 
@@ -194,6 +201,8 @@ class _Run:
         proposal = self.drafter.draft(DraftRequest(self.seq, self.synced, k, self.context[self.synced:]))
         seconds = time.perf_counter() - t0
         self.stats.draft_s += seconds
+        if self._take_events():  # a failover in this call: its time is not a draft cost
+            seconds = None
         self.synced = len(self.context)
         drafts = proposal.tokens[:k]
         return drafts, None if proposal.probs is None else proposal.probs[:len(drafts)], seconds
@@ -213,9 +222,9 @@ class _Run:
         stats.verify_s += verify_s
         stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, \
             stats.accepted + accepted
-        if self._take_events() or not speculating:
-            draft_s = verify_s = None  # a round with a device swap in it teaches no cost
-        if speculating:
+        if self._take_events():  # a target swap in the verify: its time teaches no cost
+            verify_s = None
+        if speculating:  # (target-only rounds feed no policy)
             self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
             self.drafter.observe(drafted, accepted)
 

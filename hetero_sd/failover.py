@@ -5,9 +5,10 @@ A failing drafter costs speed, never output: FailoverDrafter drops it for the
 rest of the request (its draft is empty) and asks the Fallback for a
 replacement, which starts from the whole committed context. A failing target
 is replaced by FailoverRunner with the Fallback's next runner, which replays
-every live sequence into its own cache exactly as the failed one had seen it
-(the first call as a prefill, the rest as one verify-shaped call), so a
-batch-invariant replacement continues token-identically. With no replacement
+every live sequence into its own cache: the tokens at the positions the
+failed one held, the first call's as a prefill and the rest as one
+verify-shaped call, so a batch-invariant replacement continues
+token-identically. With no replacement
 left, the call raises GenerationError and the engine attaches the output so
 far.
 
@@ -167,7 +168,7 @@ class FailoverRunner:
 
     def _move(self, exc: BaseException) -> None:
         """Replace the failed runner and replay every live sequence into the new one."""
-        failed = self.current
+        original = failed = self.current
         self.events.append(f"target {where(failed)} failed: {describe(exc)}")
         while True:
             replacement = self.fallback.next_target(failed, exc)
@@ -184,7 +185,7 @@ class FailoverRunner:
                 failed, exc = replacement, again
         for s in self._seqs.values():
             try:
-                failed.release(s.inner)
+                original.release(s.inner)
             except Exception:  # a dead device may not even release; its pool goes with it
                 pass
         for seq_id, new_id in inner.items():
@@ -260,9 +261,9 @@ class FailoverDrafter(Drafter):
         if replacement is None:
             self.events.append("drafting continues with none")
             return
-        self.current = replacement  # persists: later requests draft with it
         self._start(replacement)  # one that fails to start is dropped the same way
         if self.live is replacement:
+            self.current = replacement  # persists: later requests draft with it
             self.events.append(f"drafting continues with {replacement.name}")
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner, resolve
 from hetero_sd.backends.registry import BUILTINS, Registry, discover, load_builtin
 from hetero_sd.drafting.specs import ModelSpec
-from hetero_sd.errors import BackendError
+from hetero_sd.errors import BackendError, describe
 from hetero_sd.ir.model import ModelIR, load_model_ir
 
 
@@ -32,7 +32,10 @@ class Loader:
 
     def backend(self, name: str):
         if self._registry is None and name in BUILTINS:  # a worker: import only the backend it needs
-            return load_builtin(name)
+            try:
+                return load_builtin(name)
+            except Exception as exc:  # its runtime is missing or broken here
+                raise BackendError(f"backend {name!r} cannot be used here: {describe(exc)}") from exc
         return self.registry.get(name)
 
     def ir(self, model: str | Path) -> ModelIR:

@@ -41,24 +41,23 @@ def placed(cfg: Config, section, role: str) -> ModelSpec:
                      cfg.memory.kv_budget, role)
 
 
-def _in_worker(spec: DrafterSpec, level) -> DrafterSpec:
-    if level.process != "worker":
-        return spec
-    return WorkerSpec(spec, level.transport, level.mode, level.timeout_s, level.start_timeout_s, level.threads)
-
-
 def spec_from_config(cfg: Config) -> EngineSpec:
     """placement: manual. The drafter is the innermost level; each stage (the last
     listed first, stages.0 closest to the target) verifies the level inside it;
-    a level with process: worker runs itself and everything inside it in one worker."""
+    the outermost level with process: worker runs itself and everything inside
+    it in one worker (load_config refuses a second worker level)."""
     d = cfg.drafter
     drafter = None
     if d.kind != "none":
+        levels = [d] + [d.stages[i] for i in reversed(range(len(d.stages)))]  # innermost first
+        worker = max((j for j, level in enumerate(levels) if level.process == "worker"), default=None)
         drafter = NgramSpec(d.min_ngram, d.max_ngram) if d.kind == "ngram" else placed(cfg, d, "draft model")
-        drafter = _in_worker(drafter, d)
         default_k = d.k if isinstance(d.k, int) else d.k_max
-        for i in reversed(range(len(d.stages))):
-            stage = d.stages[i]
-            drafter = CascadeSpec(drafter, placed(cfg, stage, f"drafter.stages.{i}"), k=stage.k or default_k)
-            drafter = _in_worker(drafter, stage)
+        for j, level in enumerate(levels):
+            if j > 0:
+                i = len(d.stages) - j
+                drafter = CascadeSpec(drafter, placed(cfg, level, f"drafter.stages.{i}"), k=level.k or default_k)
+            if j == worker:
+                drafter = WorkerSpec(drafter, level.transport, level.mode, level.timeout_s, level.start_timeout_s,
+                                     level.threads)
     return EngineSpec(placed(cfg, cfg.target, "target"), drafter, d.k, d.k_max)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable
 
 
-
 def cache_root() -> Path:
     root = os.environ.get("HETERO_SD_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero-sd")

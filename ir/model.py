@@ -119,7 +119,7 @@ def _fast_reader():
             if sub == GGUFValueType.STRING:
                 view = memoryview(self.data)
                 for _ in range(n):
-                    offs += 8 + struct.unpack_from("<Q", view, offs)[0]
+                    offs += 8 + struct.unpack_from("=Q", view, offs)[0]  # the file's order is the host's
                 return offs - orig_offs, [itype, count, self._get(orig_offs + 12, np.uint8, offs - orig_offs - 12)], \
                     [], [GGUFValueType.ARRAY, sub]
             nptype = self.gguf_scalar_to_np.get(sub)

@@ -112,7 +112,6 @@ class Handler:
         self.step = 1 if isinstance(spec, ModelSpec) else None  # poll between single model steps
         self.ahead: Lookahead | None = None
         self.ahead_s = 0.0  # seconds drafted ahead since the last reply
-        self.drafts = 0
 
     def __call__(self, msg: bytes) -> bytes:
         t0 = time.perf_counter()
@@ -151,7 +150,6 @@ class Handler:
     def _draft(self, req: DraftRequest) -> Reply:
         if self.load_error is not None:
             return error_reply(DRAFT, self.load_error)
-        self.drafts += 1
         if self.ahead is not None:
             tokens, source = self.ahead.answer(req)
             return Reply(OK, DRAFT, DraftResult(req.seq_id, tokens).pack(), source)

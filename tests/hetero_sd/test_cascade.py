@@ -1,4 +1,4 @@
-"""k-stage cascades (hetero_sd/cascade.py): a CascadeDrafter proposes its
+"""k-stage cascades (hetero_sd/drafting/cascade.py): a CascadeDrafter proposes its
 intermediate model's greedy continuation, computed by speculative decoding of
 the stage inside it. Lossless at every depth, with stages in-process or in
 workers, greedy and sampled; a failing inner stage costs speed, not output."""

@@ -1,6 +1,6 @@
 """A device that fails mid-generation costs speed, never output.
 
-Fake devices (backends/fake_backend.py) wrap the real torch CPU runner, so a
+Fake devices (hetero_sd/testing/fake_backend.py) wrap the real torch CPU runner, so a
 replacement device has the same numerics and the output after a failover must
 be token-identical to an undisturbed run: for the target (replayed into the
 replacement's cache) and for the drafter (dropped, replaced or not), greedy
@@ -224,3 +224,25 @@ def test_a_replacement_serves_later_requests_and_a_dropped_drafter_is_retried(ir
     assert second.token_ids == want and len(replacements) == 1  # no second failover
     assert not any("target" in e for e in second.stats.events)
     assert second.stats.drafted > 0  # the same drafter drafts again
+
+
+def test_an_interrupted_request_frees_its_sequence(ir):
+    """Ctrl-C (or any error that is not a device failure) mid-request still releases
+    the target's sequence and resets the drafter: a long-lived engine does not leak KV."""
+    from helpers.drafters import ProxyDrafter
+
+    class Interrupting(ProxyDrafter):
+        calls = 0
+
+        def seen(self, req, result):
+            Interrupting.calls += 1
+            if Interrupting.calls == 3:
+                raise KeyboardInterrupt
+            return result
+
+    target = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    engine = Engine(target, Interrupting(NgramDrafter(1, 3)), k=3)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate_ids(_prompt(6), 20)
+    assert target.usage().sequences == 0
+    assert engine.generate_ids(_prompt(6), 20).token_ids == Engine(target, None).generate_ids(_prompt(6), 20).token_ids

@@ -1,4 +1,4 @@
-"""Drafters in worker processes (hetero_sd/workers.py): lossless over every
+"""Drafters in worker processes (hetero_sd/drafting/remote.py): lossless over every
 transport and mode, sampling state and distributions that cross processes,
 and failures (kill -9, hangs, malformed replies, load errors) that cost speed
 but never output, and never leave a shared-memory segment behind."""
