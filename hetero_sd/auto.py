@@ -16,6 +16,7 @@ from hetero_sd.config import Config
 from hetero_sd.drafting.build import build_drafter
 from hetero_sd.drafting.specs import ModelSpec, NgramSpec
 from hetero_sd.errors import BackendError
+from hetero_sd.failover import where
 from hetero_sd.loading import Loader
 from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
@@ -90,14 +91,14 @@ class PlanFallback:
         if runner is None:  # the n-gram drafter has no device to exclude
             return None
         try:
-            self.plan = replan(self.plan, failed=_device_key(runner), keep_target=True)
+            self.plan = replan(self.plan, failed=where(runner), keep_target=True)
         except BackendError:
             return None
         spec = self.plan.speculative_for(self.plan.best.target)
         return None if spec is None else self._make_drafter(spec)
 
     def next_target(self, failed, error):
-        key = _device_key(failed)
+        key = where(failed)
         while True:
             try:
                 self.plan = replan(self.plan, failed=key)
@@ -108,10 +109,6 @@ class PlanFallback:
             except Exception as exc:  # the next device may be dead too
                 key = self.plan.best.target.device_key
                 print(f"hetero-sd: {self.plan.best.target} unavailable ({exc}); trying the next", file=sys.stderr)
-
-
-def _device_key(runner) -> str:
-    return f"{runner.device.backend}:{runner.device.device}"
 
 
 def plan_engine(cfg: Config, load: Loader):

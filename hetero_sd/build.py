@@ -10,6 +10,7 @@ waits for them. `load` is a loading.Loader: the one way runners are loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from hetero_sd.auto import plan_engine
 from hetero_sd.backends.registry import discover
@@ -38,7 +39,7 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     target_ir = load.ir(spec.target.model)
     tokenizer = load.tokenizer(spec.target.model)
     for model in models:
-        if load.ir(model.model).source.resolve() != target_ir.source.resolve():
+        if Path(model.model).resolve() != target_ir.source.resolve():
             _check_same_tokenizer(tokenizer, load.tokenizer(model.model), model.model)
     drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
     try:

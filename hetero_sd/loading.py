@@ -10,6 +10,7 @@ load through it.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner, resolve
@@ -46,12 +47,8 @@ class Loader:
 
     def tokenizer(self, model: str | Path):
         """The model's tokenizer (built once from a GGUF and cached, with a progress line)."""
-        progress = _Progress(f"tokenizer of {Path(model).name}") if self.progress else None
-        try:
+        with _progress(self.progress, f"tokenizer of {Path(model).name}") as progress:
             return self.ir(model).load_tokenizer(progress=progress)
-        finally:
-            if progress is not None:
-                progress.close()
 
     def check(self, spec: ModelSpec) -> tuple[DeviceInfo, PrecisionInfo]:
         """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
@@ -62,14 +59,10 @@ class Loader:
 
     def __call__(self, spec: ModelSpec) -> Runner:
         info, precision = self.check(spec)
-        label = f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
-        progress = _Progress(label) if self.progress else None
-        try:
+        with _progress(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
+                       ) as progress:
             return self.backend(spec.backend).load(self.ir(spec.model), info.device, precision.name,
                                                    spec.kv_budget, progress=progress)
-        finally:
-            if progress is not None:
-                progress.close()
 
 
 class _Progress:
@@ -94,3 +87,14 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+@contextmanager
+def _progress(enabled: bool, label: str):
+    """A _Progress callback (None when progress is off), closed on the way out."""
+    bar = _Progress(label) if enabled else None
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()

@@ -6,6 +6,7 @@ weights stay on disk until a backend asks for them.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,7 @@ def _load_hf(folder: Path) -> ModelIR:
     return ModelIR(cfg, SafetensorsSource(folder), folder, "hf")
 
 
+@functools.cache
 def _fast_reader():
     """gguf.GGUFReader that reads an array field as one block. The stock reader
     makes one or two numpy views per element, which took ~6 s for SmolLM2's
