@@ -1,4 +1,4 @@
-"""The `hetero-sd` command line: generate, devices, profile, bench."""
+"""The `hetero-sd` command line: generate, devices, models, profile, bench."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +73,36 @@ def _devices(args) -> int:
     return 0
 
 
+def _models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hetero_sd import catalog
+
+    rows = [catalog.status(entry) for entry in catalog.entries()]  # cheap: sizes and markers, no hashing
+    if args.json:
+        print(json.dumps({"models": rows}))
+        return 0
+    table = Table(title="hetero-sd named models (use the name as `model:` in a config)")
+    table.add_column("name", no_wrap=True)  # the one thing to copy into a config: never cut
+    for col in ("description", "size", "licence", "installed", "verified"):
+        table.add_column(col)
+    for row in rows:
+        name = row["name"] + "".join(f"\n[dim]alias: {a}[/dim]" for a in row["aliases"])
+        installed = "[green]yes[/green]" if row["installed"] else f"[red]no[/red] ({len(row['missing'])} missing)"
+        # Not verified yet: the first use joins (chunks) and checks it, once.
+        verified = "[green]yes[/green]" if row["verified"] else "on first use"
+        table.add_row(name, row["description"], f"{row['size'] / 2**20:,.0f} MiB", row["licence"], installed,
+                      verified)
+    console = Console()
+    console.print(table)
+    for row in rows:
+        if not row["installed"]:
+            extra = f"  (or: pip install -e \".[{row['extra']}]\" from a checkout)" if row["extra"] else ""
+            console.print(f"install {row['name']}: {row['install']}{extra}", soft_wrap=True, highlight=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-sd", description="Lossless speculative decoding across heterogeneous backends.")
@@ -97,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("devices", help="list backends, devices and precisions on this host")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     dev.set_defaults(func=_devices)
+    mod = sub.add_parser("models", help="list the named models a config's `model:` accepts",
+                         description="Named models: where they come from (pip packages), whether they are "
+                                     "installed here and verified, and how to install them.")
+    mod.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    mod.set_defaults(func=_models)
     from hetero_sd import profile_cli
     from hetero_sd.bench import add_parser as add_bench_parser
 

