@@ -63,17 +63,20 @@ def _check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
                           "different tokenizer; draft and target must share a tokenizer")
 
 
-def engine_arguments(cfg: Config, progress: bool = False) -> dict:
-    """Keyword arguments for Engine(...): everything the config describes, built."""
+def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = False) -> dict:
+    """Keyword arguments for Engine(...): everything the config describes, built.
+    target_only: the target alone; the drafter section is ignored (no draft model, no worker)."""
     load = Loader(discover(), progress=progress)  # every backend, plugins included, and why any is broken
     plan = fallback = None
     if cfg.placement == "auto":
-        spec, policy, fallback, plan = plan_engine(cfg, load)
+        spec, policy, fallback, plan = plan_engine(cfg, load, target_only=target_only)
     else:
-        spec = spec_from_config(cfg)
+        spec = spec_from_config(cfg, target_only=target_only)
         policy = AdaptiveDraftLength(spec.k_max) if spec.k == "auto" else FixedDraftLength(spec.k)
     built = build(spec, load)
     gen = cfg.generation
+    # No re-planner without a drafter: re-planning only swaps drafters (a target failover stays).
+    replanner = None if target_only else fallback
     return dict(target=built.target, drafter=built.drafter, tokenizer=built.tokenizer, eos_ids=built.eos_ids,
                 max_new_tokens=gen.max_new_tokens, stop=tuple(gen.stop), chat_template=gen.chat_template,
-                sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=fallback, plan=plan)
+                sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=replanner, plan=plan)

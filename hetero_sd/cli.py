@@ -24,7 +24,9 @@ def _generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise HeteroSDError("no prompt: pass --prompt TEXT or pipe text on stdin")
-    engine = Engine.from_config(cfg, progress=not args.json and sys.stderr.isatty() or args.progress)
+    # --target-only builds no drafter at all: a baseline must not pay for loading a draft model.
+    engine = Engine.from_config(cfg, progress=not args.json and sys.stderr.isatty() or args.progress,
+                                target_only=args.target_only)
     if args.explain:
         print(engine.plan.explain() if engine.plan is not None else
               "placement: manual (the config fixes every placement; set placement: auto to let "
@@ -113,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--config", help="YAML config (default: the packaged configs/cpu.yaml)")
     gen.add_argument("--prompt", help="the prompt (default: read stdin)")
     gen.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
-    gen.add_argument("--target-only", action="store_true", help="no speculation (baseline)")
+    gen.add_argument("--target-only", action="store_true",
+                     help="no speculation (baseline): the drafter section is ignored and not loaded")
     gen.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy, the default)")
     gen.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (1 = off)")

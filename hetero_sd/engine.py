@@ -74,9 +74,11 @@ class Engine:
         return self._drafter.current
 
     @classmethod
-    def from_config(cls, config=None, progress: bool = False, **overrides) -> "Engine":
+    def from_config(cls, config=None, progress: bool = False, target_only: bool = False,
+                    **overrides) -> "Engine":
         """Build from a YAML file or a loaded Config (None: the packaged default, configs/cpu.yaml).
-        `overrides` are dotted keys, e.g. {"generation.max_new_tokens": 32}."""
+        `overrides` are dotted keys, e.g. {"generation.max_new_tokens": 32}. target_only: build
+        the target alone, ignoring the drafter section (no draft model loaded, no worker started)."""
         from hetero_sd.build import engine_arguments
         from hetero_sd.config import Config, load_config
         from hetero_sd.errors import ConfigError
@@ -84,7 +86,7 @@ class Engine:
         if isinstance(config, Config) and overrides:
             raise ConfigError("overrides apply to a YAML path; pass load_config(path, overrides) instead")
         cfg = config if isinstance(config, Config) else load_config(config, overrides)
-        return cls(**engine_arguments(cfg, progress=progress))
+        return cls(**engine_arguments(cfg, progress=progress, target_only=target_only))
 
     def close(self) -> None:
         """Stop worker processes the drafter holds (also done when the process exits)."""

@@ -41,14 +41,15 @@ def placed(cfg: Config, section, role: str) -> ModelSpec:
                      cfg.memory.kv_budget, role)
 
 
-def spec_from_config(cfg: Config) -> EngineSpec:
+def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     """placement: manual. The drafter is the innermost level; each stage (the last
     listed first, stages.0 closest to the target) verifies the level inside it;
     the outermost level with process: worker runs itself and everything inside
-    it in one worker (load_config refuses a second worker level)."""
+    it in one worker (load_config refuses a second worker level).
+    target_only: no drafter at all (its model paths are not even resolved)."""
     d = cfg.drafter
     drafter = None
-    if d.kind != "none":
+    if d.kind != "none" and not target_only:
         levels = [d] + [d.stages[i] for i in reversed(range(len(d.stages)))]  # innermost first
         worker = max((j for j, level in enumerate(levels) if level.process == "worker"), default=None)
         drafter = NgramSpec(d.min_ngram, d.max_ngram) if d.kind == "ngram" else placed(cfg, d, "draft model")
