@@ -22,38 +22,22 @@ for 2k slots from its first step.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from hetero_sd.backends.onnx_weights import Builder, Linears
 from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 15  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 16  # part of the cache key: bump when the graph changes
+DATA_FILE = "weights.bin"
 
 
-class _Builder:
-    def __init__(self):
-        self.nodes, self.inits, self._n = [], [], 0
-
-    def name(self, hint: str) -> str:
-        self._n += 1
-        return f"{hint}_{self._n}"
-
-    def const(self, value, hint="c", dtype=None) -> str:
-        arr = np.asarray(value, dtype=dtype)
-        name = self.name(hint)
-        self.inits.append(numpy_helper.from_array(arr, name))
-        return name
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
-        out = out or self.name(op_type.lower())
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
-        return out
-
-
-def _rms_norm(b: _Builder, x: str, weight: np.ndarray, eps: float) -> str:
+def _rms_norm(b: Builder, x: str, weight: np.ndarray, eps: float) -> str:
     # The canonical Pow/ReduceMean/Add/Sqrt/Div/Mul chain: onnxruntime fuses
     # it into SimplifiedLayerNormalization and OpenVINO into its RMS kernel.
     mean = b.op("ReduceMean", b.op("Pow", x, b.const(np.float32(2.0))), b.const([-1], dtype=np.int64), keepdims=1)
@@ -61,12 +45,7 @@ def _rms_norm(b: _Builder, x: str, weight: np.ndarray, eps: float) -> str:
     return b.op("Mul", norm, b.const(weight.astype(np.float32), "norm"))
 
 
-def _linear(b: _Builder, x: str, weight: np.ndarray, bias: np.ndarray | None = None) -> str:
-    y = b.op("MatMul", x, b.const(np.ascontiguousarray(weight.T, dtype=np.float32), "w"))
-    return b.op("Add", y, b.const(bias.astype(np.float32), "b")) if bias is not None else y
-
-
-def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
+def _rope(b: Builder, x: str, cos: str, sin: str, half: int) -> str:
     """x [1, heads, T, D] * cos + rotate_half(x) * sin, cos/sin [1, 1, T, D].
     Written as OpenVINO's GPT-NeoX RoPE pattern (rank 4, split on axis 3,
     the negation as a multiply by -1, exact) so its CPU plugin runs one RoPE
@@ -77,7 +56,7 @@ def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
     return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
 
 
-def _attention(b: _Builder, q: str, k: str, v: str, mask: str, minus_inf: str) -> str:
+def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str) -> str:
     """softmax(q k^T masked) v over the window: q [Hkv, G*T, D] (already
     scaled), k and v [Hkv, W, D] with the new rows in place, mask
     [1, G*T, W]; returns [Hkv, G*T, D]."""
@@ -86,10 +65,24 @@ def _attention(b: _Builder, q: str, k: str, v: str, mask: str, minus_inf: str) -
     return b.op("MatMul", probs, v)
 
 
-def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
+def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None) -> onnx.ModelProto:
+    """The graph with weights in `precision` (onnx_weights.py). With `path`, the
+    weights stream to `path.parent / weights.bin` one tensor at a time and the
+    model is saved at `path`; without, they stay inside the returned proto."""
+    model.check_weights()
+    b = Builder(path.parent / DATA_FILE if path is not None else None)
+    try:
+        proto = _build(model, b, Linears(b, model.weights, precision), progress)
+    finally:
+        b.close()
+    if path is not None:
+        onnx.save_model(proto, str(path))
+    return proto
+
+
+def _build(model: ModelIR, b: Builder, linear: Linears, progress) -> onnx.ModelProto:
     cfg = model.config
-    weights = {n: t.numpy() for n, t in model.iter_weights(progress)}
-    b = _Builder()
+    weights = _FloatWeights(model)  # norms and biases: small, read as floats
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
 
@@ -121,8 +114,10 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
     minus_inf = b.const(np.float32(-np.inf))
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
 
-    x = b.op("Gather", b.const(weights["model.embed_tokens.weight"], "embed"), "input_ids", axis=0)
+    x = b.op("Gather", linear.embedding("model.embed_tokens.weight"), "input_ids", axis=0)
     for i in range(cfg.num_layers):
+        if progress is not None:
+            progress(i, cfg.num_layers, f"layer {i}")
         p = f"model.layers.{i}."
         bias = (lambda n: weights[p + f"self_attn.{n}_proj.bias"]) if cfg.attention_bias else (lambda n: None)
         h = _rms_norm(b, x, weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
@@ -131,7 +126,7 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         # model; every output column still reduces over the same inputs.
         qkv = (("q", H), ("k", Hkv), ("v", Hkv))
         fused_bias = np.concatenate([bias(n) for n, _ in qkv]) if cfg.attention_bias else None
-        y = _linear(b, h, np.concatenate([weights[p + f"self_attn.{n}_proj.weight"] for n, _ in qkv]), fused_bias)
+        y = linear(h, [p + f"self_attn.{n}_proj.weight" for n, _ in qkv], fused_bias)
         parts = [b.name(n) for n, _ in qkv]
         b.nodes.append(helper.make_node("Split", [y, b.const([c * D for _, c in qkv], dtype=np.int64)], parts,
                                         axis=-1))
@@ -147,15 +142,15 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
         q = b.op("Reshape", _rope(b, heads["q"], cos_q, sin_q, D // 2), i64(Hkv, -1, D))  # grouped by kv head
         att = b.op("Reshape", _attention(b, q, k_all, v_all, mask, minus_inf), i64(H, -1, D))
         att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
-        x = b.op("Add", x, _linear(b, att, weights[p + "self_attn.o_proj.weight"]))
+        x = b.op("Add", x, linear(att, [p + "self_attn.o_proj.weight"]))
         h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        inter = weights[p + "mlp.gate_proj.weight"].shape[0]
-        gate_up = _linear(b, h, np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+        inter = cfg.intermediate_size
+        gate_up = linear(h, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         gate, up = b.name("gate"), b.name("up")
         b.nodes.append(helper.make_node("Split", [gate_up, b.const([inter, inter], dtype=np.int64)], [gate, up],
                                         axis=-1))
         gate = b.op("Mul", gate, b.op("Sigmoid", gate))
-        x = b.op("Add", x, _linear(b, b.op("Mul", gate, up), weights[p + "mlp.down_proj.weight"]))
+        x = b.op("Add", x, linear(b.op("Mul", gate, up), [p + "mlp.down_proj.weight"]))
 
     stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
     b.op("Concat", *[b.op("Unsqueeze", kv, i64(0)) for kv in stacked], axis=0, out="new_kv")
@@ -163,13 +158,22 @@ def build_llama_onnx(model: ModelIR, progress=None) -> onnx.ModelProto:
     start = b.op("Sub", T, b.op("Reshape", "num_logits", i64(1)))
     x = b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), i64(1)), i64(0))
     x = _rms_norm(b, x, weights["model.norm.weight"], cfg.rms_norm_eps)
-    head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    _linear_out = b.op("MatMul", x, b.const(np.ascontiguousarray(head.T), "lm_head"), out="logits")
-    del _linear_out
+    linear(x, ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"], head=True,
+           out="logits")
     return _make_model(b, cfg)
 
 
-def _make_model(b: _Builder, cfg) -> onnx.ModelProto:
+class _FloatWeights:
+    """Name -> float32 array, read when asked (the whole model never sits in memory)."""
+
+    def __init__(self, model: ModelIR):
+        self._source = model.weights
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._source.get(name).numpy()
+
+
+def _make_model(b: Builder, cfg) -> onnx.ModelProto:
     f = TensorProto.FLOAT
     kv = lambda n, length: helper.make_tensor_value_info(n, f, [1, cfg.num_kv_heads, length, cfg.head_dim])  # noqa
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
@@ -181,5 +185,6 @@ def _make_model(b: _Builder, cfg) -> onnx.ModelProto:
     for i in range(cfg.num_layers):
         inputs += [kv(f"past_k_{i}", "R"), kv(f"past_v_{i}", "R")]
     graph = helper.make_graph(b.nodes, "hetero_sd_llama", inputs, outputs, b.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                   helper.make_opsetid("com.microsoft", 1)],
                              producer_name="hetero-sd")

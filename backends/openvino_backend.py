@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
-from hetero_sd.ir.cache import cache_dir, cache_root, cached
+from hetero_sd.ir.cache import cache_root
 from hetero_sd.backends.graph_runner import GraphRunner
-from hetero_sd.backends.onnx_llama import GRAPH_VERSION
 from hetero_sd.backends.ort_backend import export_onnx
 from hetero_sd.ir.model import ModelIR
 
@@ -22,50 +21,25 @@ _CPU_POLICY = {
     "bf16": ({"INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "bf16 compute, no dynamic quantisation"),
     "int8": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
-             "NNCF int8 weights (per channel), f32 compute, one-token calls padded"),
+             "u8 compressed weights (block 32), f32 compute, one-token calls padded"),
     "int4": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
-             "NNCF int4 weights (group 32; embeddings/LM head int8), f32 compute, one-token calls padded"),
+             "u4 compressed weights (block 32; LM head u8), f32 compute, one-token calls padded"),
+    "gguf": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
+             "a GGUF's own blocks as u4/u8 compressed constants with their scales and zero points, "
+             "block minimums as their own matmul: bit-exact weights; f32 compute, one-token calls padded"),
     "default": ({}, False, "OpenVINO's own defaults (bf16/dynamic int8 on CPU); lossless up to numerics"),
 }
-_NNCF_MODES = {"int8": ("INT8_ASYM", {}), "int4": ("INT4_ASYM", {"group_size": 32, "ratio": 1.0})}
+_COMPRESSED = ("int8", "int4", "gguf")  # read from the ONNX lowering's MatMulNBits as compressed constants
 
 
 def _precisions(device: str, caps: list[str]) -> tuple[PrecisionInfo, ...]:
     if device == "CPU":
-        names = ["fp32"] + (["bf16"] if "BF16" in caps else []) + (["int8", "int4"] if _has_nncf() else [])
+        names = ["fp32"] + (["bf16"] if "BF16" in caps else []) + list(_COMPRESSED)
         names.append("default")
         return tuple(PrecisionInfo(n if n != "default" else "ov-default", _CPU_POLICY[n][1], _CPU_POLICY[n][2])
                      for n in names)
     note = "device kernels chosen by shape; lossless up to numerics"
     return (PrecisionInfo("fp16", False, note), PrecisionInfo("fp32", False, note))
-
-
-def _has_nncf() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("nncf") is not None
-
-
-def _ov_model_path(model: ModelIR, precision: str, progress=None):
-    """The ONNX lowering, or for int8/int4 an OpenVINO IR compressed by NNCF (cached)."""
-    onnx_path = export_onnx(model, "fp32", progress)
-    if precision not in _NNCF_MODES:
-        return onnx_path
-    import nncf
-    import openvino as ov
-
-    mode, kwargs = _NNCF_MODES[precision]
-
-    def build(path):
-        if progress is not None:
-            progress(0, 0, f"compressing weights to {precision} with NNCF (once; cached)")
-        compressed = nncf.compress_weights(ov.Core().read_model(str(onnx_path)),
-                                           mode=getattr(nncf.CompressWeightsMode, mode), **kwargs)
-        ov.save_model(compressed, str(path))
-
-    folder = cache_dir("openvino", model, graph=GRAPH_VERSION, precision=precision,
-                       ov=ov.__version__, nncf=nncf.__version__)
-    return cached(folder, "model.xml", build)
 
 
 class OpenVINOBackend:
@@ -99,8 +73,12 @@ class OpenVINORunner(GraphRunner):
                  progress=None):
         import openvino as ov
 
-        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _NNCF_MODES)
-        path = _ov_model_path(model, precision.name, progress)
+        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _COMPRESSED)
+        # OpenVINO's ONNX frontend reads MatMulNBits into u4/u8 constants with
+        # scale and zero point (a decompression its CPU plugin fuses into the
+        # matmul), so one lowering serves both runtimes, streamed to disk
+        # tensor by tensor: no float copy of a compressed model is ever made.
+        path = export_onnx(model, precision.name if precision.name in _COMPRESSED else "fp32", progress)
         core = ov.Core()
         # OpenVINO keeps compiled blobs here and reuses them on the next load.
         core.set_property({"CACHE_DIR": str(cache_root() / "openvino-blobs")})

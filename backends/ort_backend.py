@@ -14,6 +14,8 @@ from hetero_sd.ir.model import ModelIR
 
 _PROVIDERS = {"CUDAExecutionProvider": "cuda", "CANNExecutionProvider": "npu"}
 _EXACT = "MLAS kernels are row-invariant (tested)"
+GGUF_NOTE = ("a GGUF's own blocks, bit-exact: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as "
+             "8-bit MatMulNBits, block minimums as their own matmul; F16/BF16 and other types as fp32")
 
 
 def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
@@ -21,7 +23,8 @@ def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
     # one-token calls run padded to two rows (graph_runner.py).
     return (PrecisionInfo("fp32", True, _EXACT),
             PrecisionInfo("int8", True, "weight-only MatMulNBits 8-bit, one-token calls padded"),
-            PrecisionInfo("int4", True, "weight-only MatMulNBits 4-bit (LM head 8-bit), one-token calls padded"))
+            PrecisionInfo("int4", True, "weight-only MatMulNBits 4-bit (LM head 8-bit), one-token calls padded"),
+            PrecisionInfo("gguf", True, GGUF_NOTE))
 
 
 class OrtBackend:
@@ -49,7 +52,8 @@ class OrtBackend:
 
 
 def export_onnx(model: ModelIR, precision: str, progress=None):
-    """The model's ONNX file for this precision, built once and cached."""
+    """The model's ONNX file for this precision, built once and cached; the
+    weights stream to an external file tensor by tensor (onnx_weights.py)."""
     import onnx
     import onnxruntime as ort
 
@@ -57,35 +61,11 @@ def export_onnx(model: ModelIR, precision: str, progress=None):
                        onnx=onnx.__version__, ort=ort.__version__)
 
     def build(path):
-        proto = build_llama_onnx(model, progress)
-        if precision in ("int8", "int4"):
-            if progress is not None:
-                progress(0, 0, f"quantizing weights to {precision} (once; cached)")
-            proto = _quantize(proto, 8 if precision == "int8" else 4)
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="weights.bin", size_threshold=1024)
+        if progress is not None:
+            progress(0, 0, f"lowering to ONNX, {precision} weights (once; cached)")
+        build_llama_onnx(model, precision, path, progress)
 
     return cached(folder, "model.onnx", build)
-
-
-def _quantize(proto, bits: int):
-    import logging
-
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # one line per node otherwise
-
-    # The LM head (the node writing "logits") stays 8-bit: at 4 bits it breaks the output.
-    nodes = [n.name for n in proto.graph.node if "logits" in n.output] if bits < 8 else []
-    quant = MatMulNBitsQuantizer(proto, block_size=32, is_symmetric=True, bits=bits,
-                                 nodes_to_exclude=nodes, accuracy_level=4)
-    quant.process()
-    out = quant.model.model
-    if nodes:  # the tied/untied LM head: 8-bit rather than fp32
-        out = MatMulNBitsQuantizer(out, block_size=32, is_symmetric=True, bits=8, accuracy_level=4)
-        out.process()
-        out = out.model.model
-    return out
 
 
 class OrtRunner(GraphRunner):
@@ -94,7 +74,7 @@ class OrtRunner(GraphRunner):
         import onnxruntime as ort
 
         super().__init__(model, info, precision, kv_budget_bytes,
-                         pad_single_row=precision.name in ("int8", "int4"))
+                         pad_single_row=precision.name in ("int8", "int4", "gguf"))
         path = export_onnx(model, precision.name, progress)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = len(os.sched_getaffinity(0))

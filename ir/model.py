@@ -35,15 +35,20 @@ class ModelIR:
     def weight_names(self) -> list[str]:
         return self.family.weight_names(self.config)
 
-    def iter_weights(self, progress: Callable[[int, int, str], None] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight the family needs, in order, checking none is missing."""
+    def check_weights(self) -> list[str]:
+        """The weight names the family needs; an error if the file lacks any."""
         names = self.weight_names()
         available = set(self.weights.names())
         missing = [n for n in names if n not in available]
         if missing:
             raise ModelLoadError(f"{self.source}: {len(missing)} required tensor(s) missing, "
                                  f"first {missing[0]!r}")
+        return names
+
+    def iter_weights(self, progress: Callable[[int, int, str], None] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight the family needs, in order, checking none is missing."""
+        names = self.check_weights()
         for i, name in enumerate(names):
             if progress is not None:
                 progress(i, len(names), name)

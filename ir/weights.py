@@ -91,3 +91,24 @@ class GGUFSource:
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)  # F32 tensors are read-only views of the mmap
         return torch.from_numpy(array)
+
+    def type_name(self, name: str) -> str:
+        """The GGUF type the tensor is stored as ("Q4_K", "F32", ...)."""
+        return self._tensors[self._map[name]].tensor_type.name
+
+    def blocks(self, name: str):
+        """The tensor as block-affine integers (ir/quant.py), straight from the
+        file's blocks; None where it is stored as floats or as a block type with
+        no such form (the caller reads `get` instead)."""
+        from hetero_sd.ir import quant
+
+        if name not in self._map:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
+        tensor = self._tensors[self._map[name]]
+        if tensor.tensor_type.name not in quant.SUPPORTED or len(tensor.shape) != 2:
+            return None
+        cols, rows = (int(d) for d in tensor.shape)  # GGUF lists the fastest axis first
+        data = np.asarray(tensor.data).reshape(rows, -1)  # whole rows: blocks never cross one
+        if self._fixup is not None:
+            data = self._fixup(name, data)  # a row permutation moves whole rows of blocks
+        return quant.decode(tensor.tensor_type.name, data, rows, cols)

@@ -48,6 +48,8 @@ CHAT_TEMPLATE = (
 )
 
 VARIANTS = ("llama", "llama-tied", "llama-rope-linear", "llama3-rope", "mistral-swa", "qwen2")
+# the same with rows of 256 values (the k-quant super-block) for GGUF block-type tests
+WIDE_VARIANTS = ("llama-wide", "qwen2-wide")
 
 # Which variants a llama.cpp converter would emit as which GGUF architecture.
 GGUF_ARCH = {
@@ -146,6 +148,10 @@ def _config_for(variant: str):
         tie_word_embeddings=False,
         dtype="float32",
     )
+    if variant.endswith("-wide"):
+        # rows of 256 values: the k-quant super-block (gguf_mixes.py)
+        common.update(hidden_size=256, intermediate_size=512, head_dim=64)
+        variant = variant[:-len("-wide")]
     if variant == "llama":
         return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     if variant == "llama-tied":
@@ -166,7 +172,7 @@ def _config_for(variant: str):
         # Qwen2 lists both <|im_end|> and </s> as end-of-sequence tokens (exercises a list eos).
         return Qwen2Config(**{**common, "eos_token_id": [IM_END_ID, EOS_ID]},
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    raise ValueError(f"unknown tiny-model variant {variant!r}; known: {', '.join(VARIANTS)}")
+    raise ValueError(f"unknown tiny-model variant {variant!r}; known: {', '.join(VARIANTS + WIDE_VARIANTS)}")
 
 
 def _model_class(config):
@@ -393,7 +399,8 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     qtype = qtype.upper()
     ftypes = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+              "LEGACY": gguf.LlamaFileType.MOSTLY_Q4_1}
     if qtype not in ftypes:
         raise ValueError(f"qtype must be one of {sorted(ftypes)}, got {qtype!r}")
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -479,11 +486,13 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
 def _storage_type(gguf_name: str, shape: tuple[int, ...], qtype: str) -> str:
     """The type convert_hf_to_gguf stores a tensor as: 1-D and norms stay F32; Q8_0 needs rows of
     a multiple of 32 elements and falls back to F16 otherwise."""
+    from helpers.gguf_mixes import MIXES
+
     if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or qtype == "F32":
         return "F32"
-    if qtype == "Q8_0" and shape[-1] % 32 != 0:
+    if qtype != "F16" and shape[-1] % 32 != 0:
         return "F16"
-    return qtype
+    return MIXES[qtype](gguf_name, shape) if qtype in MIXES else qtype
 
 
 def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
@@ -494,11 +503,13 @@ def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     elif kind == "F16":
         writer.add_tensor(name, data.astype(np.float16))
-    else:  # Q8_0
-        q = gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    else:  # a block type
+        from helpers.gguf_mixes import encode
+
+        q = encode(kind, data)
         # q is uint8 [rows, bytes per row]; with raw_dtype set the writer turns that byte
         # shape back into the element shape (and reverses it to ggml's order on disk).
-        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType[kind])
 
 
 def roundtrip(array: np.ndarray, kind: str) -> np.ndarray:
@@ -510,8 +521,9 @@ def roundtrip(array: np.ndarray, kind: str) -> np.ndarray:
         return array
     if kind == "F16":
         return array.astype(np.float16).astype(np.float32)
-    q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-    return gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+    from helpers.gguf_mixes import encode
+
+    return gguf.quants.dequantize(encode(kind, array), gguf.GGMLQuantizationType[kind]).astype(np.float32)
 
 
 def make_roundtrip_hf(hf_dir, out_dir, qtype: str) -> Path:

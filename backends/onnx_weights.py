@@ -1,0 +1,220 @@
+"""How the ONNX lowering holds weights: streamed to an external data file one
+tensor at a time, as fp32, as onnxruntime's own block quantization (int8/int4),
+or as the GGUF file's own blocks (`gguf`).
+
+Memory stays bounded by the largest tensor: a weight is read (or dequantized),
+converted and written to `weights.bin` before the next is touched, and the
+graph proto holds only references to it (ONNX's external data). So a 7B model
+builds in a few GB where the in-memory proto took 4x the model.
+
+Linear layers become MatMulNBits (com.microsoft), which onnxruntime runs and
+OpenVINO's ONNX frontend reads into compressed constants:
+  int8 / int4  the fp32 weight quantized per tensor by onnxruntime's own kernel
+               (symmetric, block 32; the LM head at 8 bits, 4 breaks it);
+  gguf         the file's integers and scales as they are (ir/quant.py): an
+               integer zero point where the block type has one; where it has
+               a per-block minimum (Q4_K, Q5_K, Q4_1, Q5_1), zero point 0 and
+               the minimum applied as its own small matmul,
+                 x . (q*s - m)^T = MatMulNBits(x; q, s) - blocksum(x) . m^T,
+               since onnxruntime's float zero points run ~50x slower (measured)
+               and its 8-bit kernel refuses them. The weights are then the
+               file's weights bit for bit; no float copy of them exists.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from hetero_sd.ir import quant
+
+EXTERNAL_MIN = 1024  # bytes: smaller constants stay inside the proto
+ALIGN = 4096  # external offsets page-aligned, so a runtime may map them
+ACCURACY_LEVEL = 4  # int8 compute over int weights: measured row-invariant and fast
+ROWS_PER_CHUNK = 8192  # rows converted at a time for vocabulary-sized tensors
+
+
+class Builder:
+    """Nodes and initializers of one graph; large initializers go to `data_path`."""
+
+    def __init__(self, data_path=None):
+        self.nodes, self.inits, self._n = [], [], 0
+        self._data = open(data_path, "wb") if data_path is not None else None
+        self._location = data_path.name if data_path is not None else None
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, value, hint="c", dtype=None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        if self._data is None or arr.nbytes < EXTERNAL_MIN:
+            name = self.name(hint)
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        return self.const_stream(hint, arr.shape, arr.dtype, [arr])
+
+    def const_stream(self, hint: str, shape, dtype, chunks: Iterable[np.ndarray]) -> str:
+        """A constant written piece by piece (row chunks in C order), never whole in memory."""
+        name = self.name(hint)
+        if self._data is None:
+            arr = np.concatenate([np.asarray(c, dtype=dtype).ravel() for c in chunks]).reshape(shape)
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        start = -(-self._data.tell() // ALIGN) * ALIGN
+        self._data.seek(start)
+        for chunk in chunks:
+            self._data.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+        length = self._data.tell() - start
+        expect = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if length != expect:
+            raise AssertionError(f"constant {name}: wrote {length} bytes, shape needs {expect}")
+        t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                             dims=list(shape), data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", self._location), ("offset", str(start)), ("length", str(length))):
+            t.external_data.add(key=key, value=value)
+        self.inits.append(t)
+        return name
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, domain: str = "", **attrs) -> str:
+        out = out or self.name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=domain or None, **attrs))
+        return out
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+
+
+class Linears:
+    """y = x W^T (+ bias) for weights named in Hugging Face terms, in one precision.
+    `names` lists weights whose output rows are concatenated (q/k/v, gate/up):
+    one wider matmul where their formats agree."""
+
+    def __init__(self, b: Builder, weights, precision: str):
+        if precision not in ("fp32", "int8", "int4", "gguf"):
+            raise ValueError(f"no ONNX weight policy for precision {precision!r}")
+        if precision == "gguf" and not hasattr(weights, "blocks"):
+            raise ValueError("precision 'gguf' needs a GGUF model (it keeps the file's own blocks)")
+        self.b, self.weights, self.precision = b, weights, precision
+        self.kinds: dict[str, int] = {}  # format -> tensors, for the build report
+
+    def float_weight(self, name: str) -> np.ndarray:
+        return self.weights.get(name).numpy()
+
+    def __call__(self, x: str, names: list[str], bias: np.ndarray | None = None, head: bool = False,
+                 out: str | None = None) -> str:
+        if self.precision == "gguf":
+            y = self._gguf(x, names)
+        else:
+            w = np.concatenate([self.float_weight(n) for n in names]) if len(names) > 1 else \
+                self.float_weight(names[0])
+            if self.precision == "fp32":
+                y = self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(w.T, dtype=np.float32), "w"))
+                self._count("fp32")
+            else:
+                bits = 8 if head or self.precision == "int8" else 4
+                y = self._requantized(x, w, bits)
+        if bias is not None:
+            y = self.b.op("Add", y, self.b.const(bias.astype(np.float32), "b"))
+        return self.b.op("Identity", y, out=out) if out else y
+
+    def _count(self, kind: str) -> None:
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    # -- int8 / int4: onnxruntime's block quantizer, one tensor at a time
+    def _requantized(self, x: str, w: np.ndarray, bits: int) -> str:
+        from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+        n, k = w.shape
+        block = 32
+        kb = -(-k // block)
+        wt = np.ascontiguousarray(w.T, dtype=np.float32)  # [K, N], the quantizer's layout
+        packed = np.zeros((n, kb, block * bits // 8), dtype=np.uint8)
+        scales = np.zeros((n, kb), dtype=np.float32)
+        zero = np.zeros((n, -(-kb * bits // 8)), dtype=np.uint8)
+        (quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits)(packed, wt, scales, zero, block, n, k, True)
+        del wt
+        self._count(f"int{bits}")
+        return self._matmul_nbits(x, packed, scales, None, k, n, bits, block)
+
+    def _matmul_nbits(self, x, packed, scales, zero_points, k, n, bits, block) -> str:
+        b = self.b
+        ins = [x, b.const(packed, "wq"), b.const(scales.reshape(-1), "ws")]
+        if zero_points is not None:
+            ins.append(b.const(zero_points, "wz"))
+        return b.op("MatMulNBits", *ins, domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
+                    accuracy_level=ACCURACY_LEVEL)
+
+    # -- gguf: the file's blocks
+    def _gguf(self, x: str, names: list[str]) -> str:
+        parts = [(n, self.weights.blocks(n)) for n in names]
+        groups: list[list] = []
+        for name, blk in parts:  # runs of one format fuse into one matmul
+            key = None if blk is None else (blk.bits, blk.block, blk.zero, blk.offset is None)
+            if groups and groups[-1][0] == key and key is not None:
+                groups[-1][1].append((name, blk))
+            else:
+                groups.append([key, [(name, blk)]])
+        outs = [self._gguf_group(x, [p for p in group]) for _, group in groups]
+        return outs[0] if len(outs) == 1 else self.b.op("Concat", *outs, axis=-1)
+
+    def _gguf_group(self, x: str, parts: list) -> str:
+        if parts[0][1] is None:  # stored as floats (F32/F16/BF16): kept as fp32, exact
+            (name, _), = parts
+            self._count(self.weights.type_name(name) + "->fp32")
+            return self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(self.float_weight(name).T), "w"))
+        blk = parts[0][1] if len(parts) == 1 else _stack([p for _, p in parts])
+        for name, _ in parts:
+            self._count(self.weights.type_name(name))
+        return self.blocks_matmul(x, blk)
+
+    def blocks_matmul(self, x: str, blk: quant.Blocks) -> str:
+        n, k = blk.shape
+        q = blk.q
+        zero_points = None
+        if blk.offset is not None:  # the minimum goes to its own matmul: zero point 0 here
+            zero_points = np.zeros((n, -(-(k // blk.block) * blk.bits // 8)), dtype=np.uint8)
+        elif blk.bits == 8 and blk.zero != 128:
+            q = q + np.uint8(128 - blk.zero)  # the default zero point 128: no zero-point input (exact)
+        elif blk.bits == 4 and blk.zero != 8:
+            zero_points = _pack4(np.full((n, k // blk.block), blk.zero, dtype=np.uint8))
+        packed = (_pack4(q) if blk.bits == 4 else q).reshape(n, k // blk.block, -1)
+        y = self._matmul_nbits(x, packed, blk.scale, zero_points, k, n, blk.bits, blk.block)
+        if blk.offset is None:
+            return y
+        b = self.b
+        sums = b.op("ReduceSum", b.op("Reshape", x, b.const([0, -1, blk.block], dtype=np.int64)),
+                    b.const([-1], dtype=np.int64), keepdims=0)  # [T, K / block]
+        return b.op("Sub", y, b.op("MatMul", sums, b.const(np.ascontiguousarray(blk.offset.T), "wm")))
+
+    def embedding(self, name: str) -> str:
+        """The token table for Gather: fp32 (the GGUF's blocks dequantized exactly,
+        in row chunks, so the float copy never sits whole in memory)."""
+        if self.precision != "gguf" or self.weights.blocks(name) is None:
+            return self.b.const(self.float_weight(name), "embed")
+        blk = self.weights.blocks(name)
+        rows = blk.shape[0]
+        chunks = (quant.dequantize(blk.rows(i, i + ROWS_PER_CHUNK)) for i in range(0, rows, ROWS_PER_CHUNK))
+        return self.b.const_stream("embed", blk.shape, np.float32, chunks)
+
+
+def _pack4(q: np.ndarray) -> np.ndarray:
+    """Two 4-bit values per byte, the even one in the low nibble (MatMulNBits' order)."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _stack(blocks: list[quant.Blocks]) -> quant.Blocks:
+    first = blocks[0]
+    cat = lambda f: np.concatenate([f(b) for b in blocks])  # noqa: E731
+    return quant.Blocks(first.bits, first.block, cat(lambda b: b.q), cat(lambda b: b.scale), first.zero,
+                        None if first.offset is None else cat(lambda b: b.offset))
+
+
+def precision_note(kinds: dict[str, int]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+
+
+ProgressFn = Callable[[int, int, str], None]
