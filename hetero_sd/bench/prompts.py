@@ -13,10 +13,26 @@ from pathlib import Path
 from hetero_sd.errors import ConfigError
 
 FIELDS = ("id", "kind", "prompt")
+# Prompt sets shipped in the package, selected by name (`--prompts code`).
+PROMPT_SETS = {"default": "prompts.jsonl", "code": "code-prompts.jsonl"}
 
 
 def default_prompts_path() -> Path:
-    return Path(str(importlib.resources.files("hetero_sd.bench") / "prompts.jsonl"))
+    return packaged_prompts("default")
+
+
+def packaged_prompts(name: str) -> Path:
+    return Path(str(importlib.resources.files("hetero_sd.bench") / PROMPT_SETS[name]))
+
+
+def prompts_path(arg: str | Path | None) -> Path:
+    """The file `--prompts` names: None is the default set, a set's name is that packaged set
+    (unless a file of that name exists here: a path the user typed always wins), else a path."""
+    if arg is None:
+        return default_prompts_path()
+    if str(arg) in PROMPT_SETS and not Path(arg).is_file():
+        return packaged_prompts(str(arg))
+    return Path(arg)
 
 
 @dataclass(frozen=True)
@@ -46,8 +62,8 @@ def _parse_line(path: Path, lineno: int, line: str) -> Prompt:
 
 
 def load_prompts(path: str | Path | None = None, kinds: list[str] | None = None) -> list[Prompt]:
-    """Read and check a prompts file (None: the packaged set); keep only `kinds` if given."""
-    path = Path(path) if path is not None else default_prompts_path()
+    """Read and check a prompts file (None or a set's name: a packaged set); keep only `kinds` if given."""
+    path = prompts_path(path)
     if not path.is_file():
         raise ConfigError(f"prompts file {str(path)!r} does not exist")
     prompts: list[Prompt] = []
