@@ -134,7 +134,15 @@ def run_genai(model_path: Path, draft_path: Path, spec: dict, work: Workload,
             try:
                 runs.append(_run_one(ov, ov_genai, name, model, draft_path, variant, props, spec, work, progress))
             except Exception as exc:  # a peer that fails is reported, never fatal
-                skipped[name] = str(exc) if isinstance(exc, Skip) else f"failed: {type(exc).__name__}: {exc}"
+                reason = str(exc) if isinstance(exc, Skip) else f"failed: {type(exc).__name__}: {exc}"
+                reason = " ".join(reason.split())  # C++ checks span lines: one line in the report
+                if not runs and not skipped and "gguf" in reason.lower():
+                    # The first pipeline could not read the target GGUF (GenAI's reader takes only some
+                    # quantizations, e.g. not Q4_K_M): every other run would fail alike.
+                    progress.log(f"skipped genai: cannot read {model_path.name}: {reason}")
+                    progress.skip(len(names) * len(work.prompts))
+                    return [], {"genai (all runs)": f"GenAI cannot read {model_path.name}: {reason}"}
+                skipped[name] = reason
                 progress.log(f"skipped {name}: {skipped[name]}")
                 progress.skip(len(work.prompts))
             gc.collect()
