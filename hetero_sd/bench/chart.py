@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hetero_sd.bench.common import EOS_POLICIES
 
-COLOURS = {"ours": "#1f77b4", "genai": "#ff7f0e", "transformers": "#2ca02c"}
+COLOURS = {"ours": "#1f77b4", "genai": "#ff7f0e", "transformers": "#2ca02c", "llamacpp": "#9467bd"}
 
 
 def write_png(report: dict, path: Path) -> None:
@@ -20,8 +20,10 @@ def write_png(report: dict, path: Path) -> None:
     summary = [s for s in report["summary"] if s.get("vs_reference") is not None]
     kinds = list(dict.fromkeys(s["kind"] for s in summary))
     runs = list(dict.fromkeys(s["run"] for s in summary))
-    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(4 + 3.2 * len(kinds), 0.9 + 0.32 * len(runs)),
-                             sharey=True, squeeze=False)
+    # At least 2 inches high: a single row leaves no room for the title and labels.
+    height = max(2.0, 0.9 + 0.32 * len(runs))
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(4 + 3.2 * len(kinds), height), sharey=True,
+                             squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         rows = {s["run"]: s for s in summary if s["kind"] == kind}
         for y, name in enumerate(runs):

@@ -6,22 +6,29 @@ import argparse
 import json
 import sys
 
-DESCRIPTION = ("Our target-only and configurations against OpenVINO GenAI and transformers, on the same "
+DESCRIPTION = ("Our target-only and configurations against OpenVINO GenAI, transformers and llama.cpp, on the same "
                "model, precision and token ids, one after another in this process. Writes bench.json, "
                "bench.md and bench.png into --out.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", help="JSONL of {\"id\", \"kind\", \"prompt\"} (default: the packaged prompt set)")
+    p.add_argument("--prompts", help="JSONL of {\"id\", \"kind\", \"prompt\"}, or a packaged set: default (text), "
+                                     "code (5 grounded, 5 open coding prompts)")
     p.add_argument("--config", action="append", default=[], metavar="YAML",
                    help="one of our configurations; repeat for several (default: the packaged cpu.yaml and "
-                        "cpu-draft-model.yaml); the first one's target is the target-only baseline")
-    p.add_argument("--peers", default="genai,transformers",
-                   help="comma list of genai, transformers, or none (default: genai,transformers)")
+                        "cpu-draft-model.yaml); the first one's target is the target-only baseline; none: "
+                        "only the peers (the reference is then the first peer's plain greedy)")
+    p.add_argument("--peers", default=None,
+                   help="comma list of genai, transformers, llamacpp, or none (default: genai,transformers, "
+                        "and llamacpp where llama-cpp-python is installed)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--kinds", help="comma list of prompt kinds to keep (default: all)")
     p.add_argument("--model", default="default",
-                   help="model for every run: HF folder, .gguf, or default (the packaged SmolLM2)")
+                   help="model for every run: HF folder, .gguf, a catalog name, or default (the packaged SmolLM2)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (HF folder, .gguf or catalog name) for every draft-model run: our "
+                        "draft-model configurations, GenAI's draft model, transformers' assistant, llama.cpp's "
+                        "draft (default: the first draft-model configuration's draft, else the target)")
     p.add_argument("--eos", choices=("ignore", "stop"), default="ignore",
                    help="ignore EOS so every run makes exactly --max-new-tokens (default), or stop at it")
     p.add_argument("--out", default="bench-results", help="folder for bench.json / bench.md / bench.png")
@@ -41,12 +48,12 @@ def _list(value: str | None) -> list[str]:
 
 
 def options(args):
-    from hetero_sd.bench.runner import BenchOptions
+    from hetero_sd.bench.runner import BenchOptions, default_peers
 
-    peers = _list(args.peers)
+    peers = _list(args.peers) if args.peers is not None else list(default_peers())
     return BenchOptions(prompts=args.prompts, configs=list(args.config), max_new_tokens=args.max_new_tokens,
                         peers=() if peers == ["none"] else tuple(peers), kinds=_list(args.kinds) or None,
-                        model=args.model, eos_policy=args.eos)
+                        model=args.model, draft_model=args.draft_model, eos_policy=args.eos)
 
 
 def run(args) -> int:

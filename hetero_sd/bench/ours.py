@@ -19,8 +19,9 @@ from hetero_sd.errors import HeteroSDError
 TARGET_ONLY = "ours target-only"
 
 
-def load_configs(paths: list[str], model: str, max_new_tokens: int) -> list[Config]:
-    """Validate every configuration before anything loads; the model is forced to `model`."""
+def load_configs(paths: list[str], model: str, max_new_tokens: int, draft_model: str | None = None) -> list[Config]:
+    """Validate every configuration before anything loads; the model is forced to `model`,
+    and every draft model to `draft_model` when one is given (so ours and the peers draft alike)."""
     out = []
     for path in paths:
         overrides = {"target.model": model, "generation.max_new_tokens": max_new_tokens}
@@ -28,7 +29,9 @@ def load_configs(paths: list[str], model: str, max_new_tokens: int) -> list[Conf
             overrides["generation.temperature"] = 0.0  # the bench compares greedy outputs
         raw = load_config(path)
         # A draft that is the target's own weights (another precision) follows --model too.
-        if raw.drafter.kind == "model" and raw.drafter.model in (None, raw.target.model):
+        if raw.drafter.kind == "model" and draft_model is not None:
+            overrides["drafter.model"] = draft_model
+        elif raw.drafter.kind == "model" and raw.drafter.model in (None, raw.target.model):
             overrides["drafter.model"] = model
         out.append(load_config(path, overrides))
     return out

@@ -34,24 +34,24 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(runs: list[RunResult], baseline: str) -> list[dict]:
-    """Every sample as a dict, with its ratios to the baseline and its token identity."""
+def compare(runs: list[RunResult], baseline: str | None) -> list[dict]:
+    """Every sample as a dict, with its ratios to the baseline and its token identity. Without
+    a baseline (every run that could be one failed) ratios and identity to it are None."""
     by_name = {r.name: {s.id: s for s in r.samples} for r in runs}
-    base = by_name[baseline]
+    base = by_name.get(baseline, {}) if baseline else {}
     rows = []
     for run in runs:
         own = by_name.get(run.own_greedy or "", {})
-        mine = by_name[run.baseline] if run.baseline else base
+        mine = by_name.get(run.baseline, {}) if run.baseline else base
         for s in run.samples:
-            b = mine[s.id]
+            b, ref = mine.get(s.id), base.get(s.id)  # ref: the bench's one reference, the same for every row
             row = s.to_dict() | {"run": run.name}
-            row["speedup"] = s.tok_s / b.tok_s if b.tok_s else None  # vs its own target-only
-            ref = base[s.id]  # the bench's one reference run, the same for every row
-            row["vs_reference"] = s.tok_s / ref.tok_s if ref.tok_s else None
+            row["speedup"] = s.tok_s / b.tok_s if b and b.tok_s else None  # vs its own target-only
+            row["vs_reference"] = s.tok_s / ref.tok_s if ref and ref.tok_s else None
             row["decode_speedup"] = (s.decode_tok_s / b.decode_tok_s
-                                     if s.decode_tok_s and b.decode_tok_s else None)
-            row["first_difference_vs_target_only"] = first_difference(s.token_ids, b.token_ids)
-            row["identical_to_target_only"] = row["first_difference_vs_target_only"] is None
+                                     if b and s.decode_tok_s and b.decode_tok_s else None)
+            row["first_difference_vs_target_only"] = first_difference(s.token_ids, b.token_ids) if b else None
+            row["identical_to_target_only"] = (row["first_difference_vs_target_only"] is None) if b else None
             row["identical_to_own_greedy"] = (s.token_ids == own[s.id].token_ids) if s.id in own else None
             rows.append(row)
     return rows
@@ -77,11 +77,17 @@ def summarize(runs: list[RunResult], rows: list[dict]) -> list[dict]:
                 "speedup": _geo(r["speedup"] for r in rs), "decode_speedup": _geo(r["decode_speedup"] for r in rs),
                 "vs_reference": _geo(r["vs_reference"] for r in rs),
                 "acceptance": _acceptance(rs),
-                "identical_to_target_only": sum(r["identical_to_target_only"] for r in rs),
+                "identical_to_target_only": _count(r["identical_to_target_only"] for r in rs),
                 "identical_to_own_greedy": sum(own) if own else None,
                 "lossless_settings": run.lossless_settings,
             })
     return out
+
+
+def _count(flags) -> int | None:
+    """How many are True; None when none was compared."""
+    flags = [f for f in flags if f is not None]
+    return sum(flags) if flags else None
 
 
 def _acceptance(rs: list[dict]) -> float | None:
@@ -100,6 +106,8 @@ def headline(summary: list[dict]) -> list[dict]:
         and s["identical_to_own_greedy"] == s["prompts"],
         "GenAI, CPU defaults": lambda s: s["family"] == "genai" and not s["lossless_settings"],
         "transformers": lambda s: s["family"] == "transformers",
+        "llama.cpp, identical to its greedy": lambda s: s["family"] == "llamacpp"
+        and s["identical_to_own_greedy"] == s["prompts"],
     }
     out = []
     for kind in dict.fromkeys(s["kind"] for s in summary):
@@ -122,6 +130,15 @@ def _f(value, fmt: str, missing: str = "-") -> str:
     return missing if value is None else format(value, fmt)
 
 
+def _no_ours(meta: dict) -> str:
+    if meta["baseline"] == "ours target-only":
+        return ""
+    if meta["baseline"] is None:
+        return " No run could serve as the reference: no ratios."
+    return (f" None of our runs took place (--config none): speedup, vs ref and = target-only are "
+            f"against `{meta['baseline']}` instead.")
+
+
 def to_markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"Model {meta['model']}, {meta['prompts']} prompts, {meta['max_new_tokens']} new tokens at most, "
@@ -130,23 +147,24 @@ def to_markdown(report: dict) -> str:
              "interleaved with them); vs ref: the same over "
              f"`{meta['baseline']}`, one reference for every row. tok/s counts prefill; decode tok/s excludes "
              "the time to the first token. = target-only / = own greedy: prompts whose output ids equal "
-             "our target-only greedy ids / the same runtime's plain greedy ids.", "",
+             "our target-only greedy ids / the same runtime's plain greedy ids." + _no_ours(meta), "",
              "| kind | run | new tok | tok/s | decode tok/s | speedup | decode speedup | vs ref | acceptance | "
              "= target-only | = own greedy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["summary"]:
         own = "-" if s["identical_to_own_greedy"] is None else f"{s['identical_to_own_greedy']}/{s['prompts']}"
+        same = "-" if s["identical_to_target_only"] is None else f"{s['identical_to_target_only']}/{s['prompts']}"
         lines.append(f"| {s['kind']} | {s['run']} | {_f(s['new_tokens'], '.0f')} | {_f(s['tok_s'], '.1f')} | "
                      f"{_f(s['decode_tok_s'], '.1f')} | {_f(s['speedup'], '.2f')}x | "
                      f"{_f(s['decode_speedup'], '.2f')}x | {_f(s.get('vs_reference'), '.2f')}x | "
                      f"{_f(s['acceptance'], '.0%')} | "
-                     f"{s['identical_to_target_only']}/{s['prompts']} | {own} |")
+                     f"{same} | {own} |")
     lines += ["", "| kind | best ours (lossless) | best GenAI exact (lossless) | best GenAI defaults | "
-              "best transformers |", "|---|---|---|---|---|"]
+              "best transformers | best llama.cpp (= its greedy) |", "|---|---|---|---|---|---|"]
     for h in report["headline"]:
         cells = []
         for group in ("ours, lossless", "GenAI, exact hints, identical to its greedy", "GenAI, CPU defaults",
-                      "transformers"):
-            best, ratio = h[group], h.get(f"ours / {group}")
+                      "transformers", "llama.cpp, identical to its greedy"):
+            best, ratio = h.get(group), h.get(f"ours / {group}")
             cell = "-" if best is None else f"{best['run']} {best['tok_s']:.1f} tok/s"
             if ratio is not None:
                 cell += f"; ours/it {ratio:.2f}x"

@@ -3,6 +3,7 @@ the peers one after another in this process, compare, write the files."""
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -12,23 +13,39 @@ from pathlib import Path
 
 from hetero_sd.bench.common import EOS_POLICIES, WARMUP_PROMPT, Progress, RunResult, Workload
 from hetero_sd.bench.ours import TARGET_ONLY, load_configs, planned_runs, run_ours
-from hetero_sd.bench.prompts import default_prompts_path, load_prompts
+from hetero_sd.bench.prompts import load_prompts, prompts_path
 from hetero_sd.bench.report import compare, headline, summarize, to_markdown
 from hetero_sd.config import PACKAGED, Config, resolve_model
 from hetero_sd.errors import ConfigError
 
-PEERS = ("genai", "transformers")
+PEERS = ("genai", "transformers", "llamacpp")
+RUNS_PER_PEER = {"genai": 6, "transformers": 3, "llamacpp": 3}
 DEFAULT_CONFIGS = ("cpu.yaml", "cpu-draft-model.yaml")
+NO_CONFIGS = "none"  # --config none: only the peers (the reference is then the first peer's plain greedy)
+
+
+def default_peers() -> tuple[str, ...]:
+    """genai and transformers (listed as skipped when absent), and llamacpp where it is
+    installed: found without importing it, since importing loads its native library."""
+    return ("genai", "transformers") + (("llamacpp",) if importlib.util.find_spec("llama_cpp") else ())
+
+
+def _absolute(model: str | None) -> str | None:
+    """A path that exists becomes absolute (configs live elsewhere); names stay names."""
+    if model is not None and model != "default" and Path(model).expanduser().exists():
+        return str(Path(model).expanduser().resolve())
+    return model
 
 
 @dataclass
 class BenchOptions:
     prompts: str | None = None  # None: the packaged prompt set
     configs: list[str] = field(default_factory=list)  # empty: DEFAULT_CONFIGS from the package
-    peers: tuple[str, ...] = PEERS
+    peers: tuple[str, ...] = field(default_factory=default_peers)
     max_new_tokens: int = 128
     kinds: list[str] | None = None
     model: str = "default"
+    draft_model: str | None = None  # None: the first draft-model configuration's draft, else the target
     eos_policy: str = "ignore"
     progress: bool | None = None  # None: a bar only when stderr is a terminal
 
@@ -40,6 +57,10 @@ class BenchOptions:
             raise ConfigError(f"--peers: unknown {', '.join(unknown)}; allowed: {', '.join(PEERS)} or none")
         if self.eos_policy not in EOS_POLICIES:
             raise ConfigError(f"--eos must be one of {', '.join(EOS_POLICIES)}, got {self.eos_policy!r}")
+        if NO_CONFIGS in self.configs and len(self.configs) > 1:
+            raise ConfigError("--config none runs none of our configurations: it cannot be combined with others")
+        if self.configs == [NO_CONFIGS] and not self.peers:
+            raise ConfigError("--config none with --peers none leaves nothing to run")
 
 
 def _peer_spec(configs: list[Config], model_path: Path) -> dict:
@@ -83,17 +104,17 @@ def _workload(model_path: Path, prompts, opts: BenchOptions) -> Workload:
 def run_bench(opts: BenchOptions) -> dict:
     opts.check()
     prompts = load_prompts(opts.prompts, opts.kinds)
-    model = opts.model
-    if model != "default" and Path(model).expanduser().exists():
-        model = str(Path(model).expanduser().resolve())  # configs live elsewhere: make it absolute
+    model, draft = _absolute(opts.model), _absolute(opts.draft_model)
     model_path = resolve_model(model, None).resolve()
-    paths = opts.configs or [str(PACKAGED / name) for name in DEFAULT_CONFIGS]
-    configs = load_configs(paths, model, opts.max_new_tokens)
+    paths = [] if opts.configs == [NO_CONFIGS] else opts.configs or [str(PACKAGED / n) for n in DEFAULT_CONFIGS]
+    configs = load_configs(paths, model, opts.max_new_tokens, draft)
     _check_placements(configs)
     work = _workload(model_path, prompts, opts)
     spec = _peer_spec(configs, model_path)
+    if draft is not None:  # --draft-model feeds every peer that drafts with a model
+        spec["draft_path"] = resolve_model(draft, None).resolve()
 
-    total = len(prompts) * (planned_runs(configs) + 6 * ("genai" in opts.peers) + 3 * ("transformers" in opts.peers))
+    total = len(prompts) * (planned_runs(configs) + sum(RUNS_PER_PEER[p] for p in opts.peers))
     progress = Progress(total, opts.progress)
     runs: list[RunResult] = []
     skipped: dict[str, str] = {}
@@ -112,13 +133,26 @@ def run_bench(opts: BenchOptions) -> dict:
             got, why = run_transformers(model_path, spec["draft_path"], spec["draft_precision"], spec, work,
                                         progress)
             runs, skipped = runs + got, skipped | why
+        if "llamacpp" in opts.peers:
+            from hetero_sd.bench.llamacpp_peer import run_llamacpp
+
+            got, why = run_llamacpp(model_path, spec["draft_path"], spec, work, progress)
+            runs, skipped = runs + got, skipped | why
     finally:
         progress.close()
-    rows = compare(runs, TARGET_ONLY)
+    baseline = reference(runs)
+    rows = compare(runs, baseline)
     shown = [r for r in runs if not r.hidden]
     summary = summarize(shown, [row for row in rows if row["run"] in {r.name for r in shown}])
-    return {"meta": _meta(opts, model_path, prompts, paths, spec), "runs": [_run_info(r) for r in runs],
+    return {"meta": _meta(opts, model_path, prompts, paths, spec, baseline), "runs": [_run_info(r) for r in runs],
             "skipped": skipped, "summary": summary, "headline": headline(summary), "results": rows}
+
+
+def reference(runs: list[RunResult]) -> str | None:
+    """Our target-only; without our runs (--config none), the first peer's plain greedy."""
+    if any(r.name == TARGET_ONLY for r in runs):
+        return TARGET_ONLY
+    return next((r.name for r in runs if r.own_greedy == r.name), None)
 
 
 def _run_info(r: RunResult) -> dict:
@@ -127,12 +161,13 @@ def _run_info(r: RunResult) -> dict:
             "baseline": r.baseline, "hidden": r.hidden}
 
 
-def _meta(opts: BenchOptions, model_path: Path, prompts, paths: list[str], spec: dict) -> dict:
+def _meta(opts: BenchOptions, model_path: Path, prompts, paths: list[str], spec: dict,
+          baseline: str | None) -> dict:
     return {"model": model_path.name, "model_path": str(model_path), "max_new_tokens": opts.max_new_tokens,
             "eos_policy": opts.eos_policy, "greedy": True, "chat_template": True,
-            "prompts_file": str(opts.prompts or default_prompts_path()), "prompts": len(prompts),
+            "prompts_file": str(prompts_path(opts.prompts)), "prompts": len(prompts),
             "kinds": list(dict.fromkeys(p.kind for p in prompts)), "configs": paths,
-            "peers": list(opts.peers), "baseline": TARGET_ONLY,
+            "peers": list(opts.peers), "baseline": baseline,
             "peer_drafting": {k: str(v) for k, v in spec.items()},
             "host": {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                      "processor": platform.processor() or platform.machine(), "python": platform.python_version()},
@@ -143,7 +178,8 @@ def _versions() -> dict:
     from importlib import metadata
 
     out = {}
-    for dist in ("hetero-sd", "torch", "transformers", "openvino", "openvino-genai", "onnxruntime"):
+    for dist in ("hetero-sd", "torch", "transformers", "openvino", "openvino-genai", "onnxruntime",
+                 "llama-cpp-python"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

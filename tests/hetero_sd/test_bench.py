@@ -205,7 +205,9 @@ def test_malformed_prompts_file_is_a_clear_error(tmp_path, capsys, content, mess
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--peers", "genai,vllm"], "--peers: unknown vllm; allowed: genai, transformers or none"),
+    (["--peers", "genai,vllm"], "--peers: unknown vllm; allowed: genai, transformers, llamacpp or none"),
+    (["--config", "none", "--config", "a.yaml"], "--config none runs none of our configurations"),
+    (["--config", "none", "--peers", "none"], "--config none with --peers none leaves nothing to run"),
     (["--kinds", "chat"], "--kinds: chat not in"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
 ])
@@ -246,3 +248,47 @@ def test_every_configuration_is_divided_by_its_own_placements_target_only():
     (paired_c, _), (run_c, _) = again
     assert run_a.baseline == base_a.name and run_b.baseline == base_b.name != base_a.name
     assert run_c.baseline == paired_c.name and paired_c.hidden  # a later config gets a fresh paired run
+
+
+def test_packaged_prompt_sets_are_selected_by_name(tmp_path, monkeypatch):
+    from hetero_sd.bench.prompts import default_prompts_path, load_prompts, prompts_path
+
+    code = load_prompts("code")
+    assert [p.kind for p in code].count("grounded") == 5 and [p.kind for p in code].count("open") == 5
+    assert prompts_path("code").name == "code-prompts.jsonl" and prompts_path(None) == default_prompts_path()
+    assert load_prompts("default") == load_prompts(None)
+    monkeypatch.chdir(tmp_path)  # a file the user named "code" wins over the packaged set
+    write_prompts(tmp_path / "code", PROMPTS[:1])
+    assert [p.id for p in load_prompts("code")] == ["rep"]
+
+
+def test_default_peers_include_llamacpp_only_where_installed(monkeypatch):
+    import importlib.util
+
+    from hetero_sd.bench import runner
+    from hetero_sd.bench.cli import add_arguments, options
+
+    real = importlib.util.find_spec
+    for present in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if present else None) if name == "llama_cpp" else real(name, *a))
+        expected = ("genai", "transformers") + (("llamacpp",) if present else ())
+        assert runner.default_peers() == expected and runner.BenchOptions().peers == expected
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        assert options(parser.parse_args([])).peers == expected
+        assert options(parser.parse_args(["--peers", "none"])).peers == ()
+
+
+def test_draft_model_feeds_our_draft_model_configs(tiny_model_dir, tmp_path):
+    """--draft-model replaces the draft of our draft-model configurations (peers get it too)."""
+    from hetero_sd.bench.ours import load_configs
+
+    model, other = tiny_model_dir("llama"), tiny_model_dir("llama", seed=1)
+    drafted = write_config(tmp_path / "dm.yaml", model, "{kind: model, k: 2}")
+    ngram = write_config(tmp_path / "ng.yaml", model)
+    cfgs = load_configs([str(drafted), str(ngram)], str(model), 4, str(other))
+    assert cfgs[0].drafter.model == str(other) and cfgs[1].drafter.kind == "ngram"
+    assert load_configs([str(drafted)], str(model), 4)[0].drafter.model == str(model)  # the default: the target

@@ -113,3 +113,45 @@ def test_paired_baseline_divides_its_own_run():
     summary = summarize([BASE, SPEC, later], compare([BASE, paired, SPEC, later], "ours target-only"))
     h = {e["kind"]: e for e in headline(summary)}["grounded"]
     assert h["ours, lossless"]["run"] == "ours ngram"  # 8 and 8 tok/s beat k2's 4 and 4
+
+
+def test_without_our_runs_the_first_peer_plain_is_the_reference():
+    """--config none: ratios and identity are against the first peer's plain greedy; with no
+    possible reference (every plain run failed) rows keep their figures and ratios are None."""
+    from hetero_sd.bench.runner import reference
+
+    lookup = _run("llamacpp prompt-lookup", "llamacpp", {"g1": ("grounded", [1, 2, 3, 4], 0.5, 0.1, 6, 3)},
+                  own="llamacpp plain")
+    plain = _run("llamacpp plain", "llamacpp", {"g1": ("grounded", [1, 2, 3, 4], 1.0, 0.1, None, None)})
+    assert reference([BASE, plain, lookup]) == "ours target-only"
+    assert reference([lookup, plain]) == "llamacpp plain" and reference([lookup]) is None
+    rows = {r["run"]: r for r in compare([plain, lookup], "llamacpp plain")}
+    assert rows["llamacpp prompt-lookup"]["vs_reference"] == pytest.approx(2.0)
+    assert rows["llamacpp prompt-lookup"]["identical_to_target_only"] is True
+    (row,) = compare([lookup], None)
+    assert row["speedup"] is row["vs_reference"] is row["identical_to_target_only"] is None
+    assert row["identical_to_own_greedy"] is None and row["tok_s"] == pytest.approx(8.0)
+    summary = summarize([lookup], [row])
+    assert summary[0]["identical_to_target_only"] is None and summary[0]["acceptance"] == pytest.approx(0.5)
+    md = to_markdown({"meta": {"model": "m", "prompts": 1, "max_new_tokens": 4, "eos_policy": "ignore",
+                               "baseline": None}, "summary": summary, "headline": headline(summary),
+                      "runs": [], "skipped": {}})
+    assert "| grounded | llamacpp prompt-lookup | 4 | 8.0 |" in md and "| - | - |" in md
+    assert "No run could serve as the reference" in md
+
+
+def test_headline_has_llamacpp_identical_to_its_greedy():
+    plain = _run("llamacpp plain", "llamacpp", {s.id: (s.kind, s.token_ids, 2.0, 0.1, None, None)
+                                                for s in BASE.samples})
+    fast = _run("llamacpp prompt-lookup", "llamacpp", {s.id: (s.kind, [0], 0.1, 0.05, 4, 0) for s in BASE.samples},
+                own="llamacpp plain")  # faster, but not its greedy's output: not in the headline
+    runs = [BASE, plain, fast]
+    summary = summarize(runs, compare(runs, "ours target-only"))
+    h = {e["kind"]: e for e in headline(summary)}["grounded"]
+    assert h["llama.cpp, identical to its greedy"]["run"] == "llamacpp plain"
+    # ours (the target-only, 4 and 2 tok/s) over it (2 and 2 tok/s): geometric mean of 2x and 1x
+    assert h["ours / llama.cpp, identical to its greedy"] == pytest.approx(math.sqrt(2.0))
+    md = to_markdown({"meta": {"model": "m", "prompts": 3, "max_new_tokens": 4, "eos_policy": "ignore",
+                               "baseline": "ours target-only"}, "summary": summary, "headline": headline(summary),
+                      "runs": [], "skipped": {}})
+    assert "best llama.cpp (= its greedy) |" in md and "llamacpp plain 2.0 tok/s" in md
