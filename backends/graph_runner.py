@@ -27,7 +27,7 @@ class GraphRunner(PooledRunner):
                  pad_single_row: bool = False):
         cfg = model.config
         self.device, self.precision = info, precision
-        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
+        self.vocab_size, self.max_context = cfg.logits_vocab, cfg.max_position_embeddings
         self._layers = cfg.num_layers
         self._per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # float32 elements
         capacity = min(kv_budget_bytes // (4 * self._per_pos), 1 << 22)

@@ -159,7 +159,7 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress) -> onnx.ModelP
     x = b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), i64(1)), i64(0))
     x = _rms_norm(b, x, weights["model.norm.weight"], cfg.rms_norm_eps)
     linear(x, ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"], head=True,
-           out="logits")
+           out="logits", rows=cfg.output_vocab)
     return _make_model(b, cfg)
 
 
@@ -180,7 +180,7 @@ def _make_model(b: Builder, cfg) -> onnx.ModelProto:
               helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
               helper.make_tensor_value_info("window", TensorProto.INT64, []),
               helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
-    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.vocab_size]),
+    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.logits_vocab]),
                helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T", cfg.head_dim])]
     for i in range(cfg.num_layers):
         inputs += [kv(f"past_k_{i}", "R"), kv(f"past_v_{i}", "R")]

@@ -105,12 +105,13 @@ class Linears:
         return self.weights.get(name).numpy()
 
     def __call__(self, x: str, names: list[str], bias: np.ndarray | None = None, head: bool = False,
-                 out: str | None = None) -> str:
+                 out: str | None = None, rows: int | None = None) -> str:
+        """`rows`: keep only the first output rows (a restricted LM head; one name)."""
         if self.precision == "gguf":
-            y = self._gguf(x, names)
+            y = self._gguf(x, names, rows)
         else:
             w = np.concatenate([self.float_weight(n) for n in names]) if len(names) > 1 else \
-                self.float_weight(names[0])
+                self.float_weight(names[0])[:rows]
             if self.precision == "fp32":
                 y = self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(w.T, dtype=np.float32), "w"))
                 self._count("fp32")
@@ -149,8 +150,14 @@ class Linears:
                     accuracy_level=ACCURACY_LEVEL)
 
     # -- gguf: the file's blocks
-    def _gguf(self, x: str, names: list[str]) -> str:
+    def _gguf(self, x: str, names: list[str], rows: int | None = None) -> str:
         parts = [(n, self.weights.blocks(n)) for n in names]
+        if rows is not None:
+            (name, blk), = parts
+            parts = [(name, None if blk is None else blk.rows(0, rows))]
+            if blk is None:  # float storage: sliced where it is read
+                return self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(self.float_weight(name)[:rows].T),
+                                                           "w"))
         groups: list[list] = []
         for name, blk in parts:  # runs of one format fuse into one matmul
             key = None if blk is None else (blk.bits, blk.block, blk.zero, blk.offset is None)

@@ -57,8 +57,9 @@ def export_onnx(model: ModelIR, precision: str, progress=None):
     import onnx
     import onnxruntime as ort
 
+    head = {"head": model.config.output_vocab} if model.config.output_vocab else {}
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
-                       onnx=onnx.__version__, ort=ort.__version__)
+                       onnx=onnx.__version__, ort=ort.__version__, **head)
 
     def build(path):
         if progress is not None:

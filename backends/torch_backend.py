@@ -77,6 +77,9 @@ class TorchRunner(PooledRunner):
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo,
                  kv_budget_bytes: int, progress=None):
         cfg = model.config
+        if cfg.output_vocab is not None:
+            raise BackendError("torch: a restricted output vocabulary (vocab:) is not supported here; "
+                               "run that draft on onnxruntime or openvino, or drop vocab:")
         self.device, self.precision = info, precision
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
         self._torch_device = torch.device(info.device)

@@ -56,6 +56,7 @@ class StageConfig(_Section):
     timeout_s: Seconds = 5.0
     start_timeout_s: Seconds = 300.0
     threads: Annotated[int, Field(ge=1)] | None = None
+    vocab: Annotated[int, Field(ge=1)] | None = None  # score only token ids < vocab (a cheaper head)
 
 
 class DrafterConfig(_Section):
@@ -76,6 +77,9 @@ class DrafterConfig(_Section):
     timeout_s: Seconds = 5.0  # a reply slower than this means a hung worker (it is killed)
     start_timeout_s: Seconds = 300.0  # the same for its start and first draft (model load)
     threads: Annotated[int, Field(ge=1)] | None = None  # the worker's compute threads
+    # kind=model: the draft's LM head scores only token ids < vocab (BPE lists
+    # frequent tokens first): a cheaper draft; the target still decides every token.
+    vocab: Annotated[int, Field(ge=1)] | None = None
     # A cascade: intermediate models between this drafter and the target, outermost
     # (closest to the target) first. Each verifies the one after it.
     stages: list[StageConfig] = Field(default_factory=list)
@@ -235,6 +239,9 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
         raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
                           f"drafter.max_ngram ({cfg.drafter.max_ngram})")
+    if cfg.drafter.vocab is not None and cfg.drafter.kind != "model":
+        raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
+                          f"drafter.kind: model (kind is {cfg.drafter.kind!r})")
     _check_workers(cfg, path)
     return cfg
 

@@ -61,8 +61,9 @@ class Loader:
         info, precision = self.check(spec)
         with _progress(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
                        ) as progress:
-            return self.backend(spec.backend).load(self.ir(spec.model), info.device, precision.name,
-                                                   spec.kv_budget, progress=progress)
+            model = self.ir(spec.model).with_output_vocab(spec.vocab)
+            return self.backend(spec.backend).load(model, info.device, precision.name, spec.kv_budget,
+                                                   progress=progress)
 
 
 class _Progress:

@@ -38,7 +38,7 @@ def model_path(cfg: Config, model: str | None) -> str:
 def placed(cfg: Config, section, role: str) -> ModelSpec:
     """The ModelSpec of a config section with model / backend / device / precision keys."""
     return ModelSpec(model_path(cfg, section.model), section.backend, section.device, section.precision,
-                     cfg.memory.kv_budget, role)
+                     cfg.memory.kv_budget, role, getattr(section, "vocab", None))
 
 
 def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:

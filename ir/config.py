@@ -24,6 +24,14 @@ class ModelConfig:
     sliding_window: int | None = None  # attend to at most this many previous positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # The LM head scores only token ids < output_vocab (a draft's cheaper head,
+    # as EAGLE-3 drafts over a reduced vocabulary); None: all of vocab_size.
+    output_vocab: int | None = None
+
+    @property
+    def logits_vocab(self) -> int:
+        """Width of the logits the model produces."""
+        return self.output_vocab or self.vocab_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache footprint of one position, all layers, K and V."""

@@ -6,6 +6,7 @@ weights stay on disk until a backend asks for them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -27,6 +28,17 @@ class ModelIR:
     weights: WeightSource
     source: Path  # the folder or .gguf file it came from
     fmt: str  # "hf" | "gguf"
+
+    def with_output_vocab(self, n: int | None) -> "ModelIR":
+        """The same model with its LM head restricted to token ids < n: inputs
+        still take any id; outputs score the first n. BPE vocabularies list
+        their most frequent merges first, so a draft keeps most of its
+        acceptance at a fraction of a 150k-row head's cost."""
+        if n is None:
+            return self
+        if not 1 <= n <= self.config.vocab_size:
+            raise ModelLoadError(f"{self.source}: an output vocabulary of {n} is outside 1..{self.config.vocab_size}")
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, output_vocab=n))
 
     @property
     def family(self):

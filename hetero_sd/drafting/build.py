@@ -28,11 +28,12 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, NgramSpec):
         return NgramDrafter(spec.min_ngram, spec.max_ngram)
     if isinstance(spec, ModelSpec):
-        return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}")
+        return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)
         try:
-            return CascadeDrafter(inner, load(spec.stage), target_vocab, k=spec.k, desc=spec.stage.label)
+            return CascadeDrafter(inner, load(spec.stage), target_vocab, k=spec.k, desc=spec.stage.label,
+                                  head_vocab=spec.stage.vocab)
         except BaseException:
             inner.close()
             raise

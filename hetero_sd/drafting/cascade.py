@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from hetero_sd.backends.base import Runner
 from hetero_sd.drafting.base import Drafter, apply_delta, common_prefix
+from hetero_sd.drafting.model import check_vocab
 from hetero_sd.errors import describe
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
@@ -40,11 +41,9 @@ class CascadeDrafter(Drafter):
     """A Drafter whose proposals are `runner`'s greedy tokens, sped up by `inner`."""
 
     def __init__(self, inner: Drafter, runner: Runner, target_vocab: int | None = None, k: int = 4,
-                 desc: str = "intermediate"):
+                 desc: str = "intermediate", head_vocab: int | None = None):
         vocab = runner.vocab_size if target_vocab is None else target_vocab
-        if runner.vocab_size != vocab:
-            raise ConfigError(f"cascade stage {desc} has a vocabulary of {runner.vocab_size} tokens but "
-                              f"the target has {vocab}; every stage must share the target's tokenizer")
+        check_vocab(runner, vocab, f"cascade stage {desc}", head_vocab)
         if k < 1:
             raise ConfigError(f"cascade stage {desc}: k (drafts per stage verify) must be >= 1, got {k}")
         self.inner, self.runner, self.k_inner = inner, runner, k

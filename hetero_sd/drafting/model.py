@@ -23,12 +23,10 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, runner: Runner, target_vocab: int, draft_desc: str = "draft model"):
-        if runner.vocab_size != target_vocab:
-            raise ConfigError(
-                f"{draft_desc} has a vocabulary of {runner.vocab_size} tokens but the target has "
-                f"{target_vocab}; draft and target must share a tokenizer")
-        self.runner = runner
+    def __init__(self, runner: Runner, target_vocab: int, draft_desc: str = "draft model",
+                 head_vocab: int | None = None):
+        check_vocab(runner, target_vocab, draft_desc, head_vocab)
+        self.runner, self.target_vocab = runner, target_vocab
         self._seq: int | None = None
         self.context: list[int] = []
         self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
@@ -63,8 +61,22 @@ class ModelDrafter(Drafter):
                 token = self.runner.greedy(self._seq, feed, start, 1)[0]
             else:
                 token, q = self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
-                probs.append(q)
+                # a restricted head proposes only ids < its width: q is 0 beyond
+                # it, which the target's rejection rule handles like any q
+                probs.append(q if len(q) == self.target_vocab else np.pad(q, (0, self.target_vocab - len(q))))
             self._cached.extend(feed)
             out.append(token)
             feed = [token]
         return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
+
+
+def check_vocab(runner: Runner, target_vocab: int, desc: str, head_vocab: int | None = None) -> None:
+    """A draft scores the target's token ids: all of them, or (a restricted
+    head, `vocab:`) exactly the first head_vocab of them."""
+    want = target_vocab if head_vocab is None else head_vocab
+    if head_vocab is not None and head_vocab > target_vocab:
+        raise ConfigError(f"{desc}: vocab {head_vocab} exceeds the target's vocabulary of {target_vocab} tokens")
+    if runner.vocab_size != want:
+        what = "its restricted head" if head_vocab is not None else "the target"
+        raise ConfigError(f"{desc} scores {runner.vocab_size} tokens but {what} needs {want}; "
+                          "draft and target must share a tokenizer")

@@ -31,6 +31,7 @@ class ModelSpec:
     precision: str = "default"
     kv_budget: int = DEFAULT_KV_BUDGET
     role: str = "draft model"  # how errors and progress bars name it ("target", "drafter.stages.0")
+    vocab: int | None = None  # a draft's LM head over token ids < vocab only (None: all)
 
     @property
     def label(self) -> str:
