@@ -53,7 +53,9 @@ class Package:
             return None
         if spec is None:
             return None
-        folders = [Path(spec.origin).parent] if spec.origin else [Path(p) for p in spec.submodule_search_locations or []]
+        # A namespace package (no __init__.py) has no origin, only search locations.
+        folders = ([Path(spec.origin).parent] if spec.origin
+                   else [Path(p) for p in spec.submodule_search_locations or []])
         path = folders[0] / self.file if folders else None
         return path if path is not None and path.is_file() else None
 

@@ -23,7 +23,8 @@ def spy(monkeypatch):
     seen = {"loaded": [], "drafters": []}
     load, make = Loader.__call__, build.build_drafter
     monkeypatch.setattr(Loader, "__call__", lambda self, spec: seen["loaded"].append(spec.role) or load(self, spec))
-    monkeypatch.setattr(build, "build_drafter", lambda spec, *a, **k: seen["drafters"].append(spec) or make(spec, *a, **k))
+    monkeypatch.setattr(build, "build_drafter",
+                        lambda spec, *a, **k: seen["drafters"].append(spec) or make(spec, *a, **k))
     return seen
 
 
