@@ -9,6 +9,7 @@ waits for them. `load` is a loading.Loader: the one way runners are loaded.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def build(spec: EngineSpec, load: Loader) -> Built:
             _check_same_tokenizer(tokenizer, load.tokenizer(model.model), model.model)
     drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
     try:
+        split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs
         target = load(spec.target)
         if drafter is not None:
             drafter.wait_ready()
@@ -80,3 +82,20 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
     return dict(target=built.target, drafter=built.drafter, tokenizer=built.tokenizer, eos_ids=built.eos_ids,
                 max_new_tokens=gen.max_new_tokens, stop=tuple(gen.stop), chat_template=gen.chat_template,
                 sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=replanner, plan=plan)
+
+
+def split_cores(drafter) -> None:
+    """A worker given `cpus` runs there; this process (the target) keeps the
+    other CPUs, set before any runtime sizes its thread pool from them."""
+    cpus = getattr(drafter, "cpus", None)
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    mine = os.sched_getaffinity(0)
+    if not set(cpus) <= mine:
+        raise ConfigError(f"drafter cpus {sorted(cpus)} are not all available to this process "
+                          f"(available: {sorted(mine)})")
+    rest = mine - set(cpus)
+    if not rest:
+        raise ConfigError(f"drafter cpus {sorted(cpus)} leave no CPU for the target (available: {sorted(mine)}); "
+                          "give the worker fewer")
+    os.sched_setaffinity(0, rest)

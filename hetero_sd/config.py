@@ -38,7 +38,8 @@ Process = Literal["inproc", "worker"]
 Transport = Literal["shm", "tcp", "pipe"]
 Mode = Literal["sync", "async"]  # async: the worker drafts ahead while the target verifies
 Seconds = Annotated[float, Field(gt=0)]
-WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads")  # need process: worker
+WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads", "cpus")  # need process: worker
+CPUs = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class StageConfig(_Section):
@@ -56,6 +57,7 @@ class StageConfig(_Section):
     timeout_s: Seconds = 5.0
     start_timeout_s: Seconds = 300.0
     threads: Annotated[int, Field(ge=1)] | None = None
+    cpus: CPUs | None = None  # the worker's CPUs; the engine's process keeps the others
     vocab: Annotated[int, Field(ge=1)] | None = None  # score only token ids < vocab (a cheaper head)
 
 
@@ -77,6 +79,9 @@ class DrafterConfig(_Section):
     timeout_s: Seconds = 5.0  # a reply slower than this means a hung worker (it is killed)
     start_timeout_s: Seconds = 300.0  # the same for its start and first draft (model load)
     threads: Annotated[int, Field(ge=1)] | None = None  # the worker's compute threads
+    # Cores split between the processes: the worker runs on these CPUs, the
+    # engine's process (the target) on the others, so neither steals the other's.
+    cpus: CPUs | None = None
     # kind=model: the draft's LM head scores only token ids < vocab (BPE lists
     # frequent tokens first): a cheaper draft; the target still decides every token.
     vocab: Annotated[int, Field(ge=1)] | None = None

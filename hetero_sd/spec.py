@@ -60,5 +60,5 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
                 drafter = CascadeSpec(drafter, placed(cfg, level, f"drafter.stages.{i}"), k=level.k or default_k)
             if j == worker:
                 drafter = WorkerSpec(drafter, level.transport, level.mode, level.timeout_s, level.start_timeout_s,
-                                     level.threads)
+                                     level.threads, tuple(level.cpus) if level.cpus else None)
     return EngineSpec(placed(cfg, cfg.target, "target"), drafter, d.k, d.k_max)

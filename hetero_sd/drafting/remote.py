@@ -140,7 +140,8 @@ class RemoteDrafter(Drafter):
 
     def __init__(self, spec: DrafterSpec, target_vocab: int, *, entry: Callable, transport: str = "shm",
                  mode: str = "sync", timeout_s: float = 5.0, start_timeout_s: float = 300.0,
-                 lookahead: int | None = None, threads: int | None = None, cpu: int | None = None,
+                 lookahead: int | None = None, threads: int | None = None,
+                 cpu: int | tuple[int, ...] | None = None,
                  start_method: str = "forkserver", max_failed_starts: int = 3, start: bool = True):
         for value, allowed, what in ((transport, TRANSPORTS, "transport"), (mode, MODES, "mode"),
                                      (start_method, START_METHODS, "start_method")):

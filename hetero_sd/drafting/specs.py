@@ -73,6 +73,7 @@ class WorkerSpec:
     timeout_s: float = 5.0  # a slower reply means a hung worker (it is killed)
     start_timeout_s: float = 300.0  # the same for its start and first draft (model load)
     threads: int | None = None  # the worker's compute threads; None: the runtime's default
+    cpus: tuple[int, ...] | None = None  # the worker's CPUs; the engine's process keeps the others
 
     @property
     def label(self) -> str:

@@ -45,7 +45,7 @@ class WorkerOptions:
     mode: str = "sync"  # sync | async (draft ahead between requests; greedy requests only)
     lookahead: int | None = None  # async: tokens to draft beyond a reply; None: k + 1
     threads: int | None = None  # torch / OpenMP threads in the worker; None: the runtime's default
-    cpu: int | None = None  # pin the worker to this CPU (Linux)
+    cpu: int | tuple[int, ...] | None = None  # pin the worker to this CPU or these CPUs (Linux)
     env: dict = field(default_factory=dict)  # HETERO_SD_* variables to set in the worker
 
 

@@ -12,15 +12,17 @@ from typing import Callable
 from hetero_sd.transport.errors import PeerClosed
 
 
-def pin_to_cpu(cpu: int | None) -> bool:
-    """Pin this process to one CPU (Linux); False when not possible. Two
-    processes spinning on one core is what makes the ~125 us wake-up mode."""
+def pin_to_cpu(cpu) -> bool:
+    """Pin this process to one CPU or a set of them (Linux); False when not
+    possible. Two processes spinning on one core is what makes the ~125 us
+    wake-up mode."""
     if cpu is None or not hasattr(os, "sched_setaffinity"):
         return False
+    cpus = {cpu} if isinstance(cpu, int) else set(cpu)
     try:
-        if cpu not in os.sched_getaffinity(0):
+        if not cpus <= os.sched_getaffinity(0):
             return False
-        os.sched_setaffinity(0, {cpu})
+        os.sched_setaffinity(0, cpus)
         return True
     except OSError:
         return False

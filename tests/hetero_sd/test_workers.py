@@ -352,3 +352,40 @@ def test_yaml_worker_errors_name_the_key(paths, tmp_path, drafter, words):
         load_config(_yaml(tmp_path, paths["target"], drafter))
     for word in words:
         assert word in str(err.value)
+
+
+def test_cpus_split_the_cores_between_worker_and_target(paths, tmp_path):
+    """drafter.cpus: the worker runs on those CPUs and this process (the
+    target) on the others; the output is still the target's own."""
+    import os
+
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip("one CPU: nothing to split (the error path is tested below)")
+    worker_cpu = max(mine)
+    cfg = load_config(_yaml(tmp_path, paths["target"], f"{{kind: model, {NEAR_YAML}, k: 3, process: worker, "
+                                                        f"cpus: [{worker_cpu}]}}"))
+    engine = build_engine(cfg)
+    try:
+        assert os.sched_getaffinity(0) == mine - {worker_cpu}
+        assert os.sched_getaffinity(engine.drafter.pid) == {worker_cpu}
+        prompt = random_prompt(10, seed=6)
+        assert engine.generate_ids(prompt, 16).token_ids == \
+            engine.generate_ids(prompt, 16, target_only=True).token_ids
+    finally:
+        engine.drafter.close()
+        os.sched_setaffinity(0, mine)
+
+
+def test_cpus_that_leave_the_target_nothing_are_refused(paths, tmp_path):
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    for cpus, words in ((mine, "leave no CPU for the target"), ([max(mine) + 64], "not all available")):
+        cfg = load_config(_yaml(tmp_path, paths["target"], f"{{kind: model, {NEAR_YAML}, process: worker, "
+                                                            f"cpus: {cpus}}}"))
+        with pytest.raises(ConfigError, match=words):
+            build_engine(cfg)
+        assert sorted(os.sched_getaffinity(0)) == mine
+    with pytest.raises(ConfigError, match="drafter.cpus applies to a drafter in its own process"):
+        load_config(_yaml(tmp_path, paths["target"], "{kind: model, cpus: [0]}"))
