@@ -77,6 +77,6 @@ def check_vocab(runner: Runner, target_vocab: int, desc: str, head_vocab: int | 
     if head_vocab is not None and head_vocab > target_vocab:
         raise ConfigError(f"{desc}: vocab {head_vocab} exceeds the target's vocabulary of {target_vocab} tokens")
     if runner.vocab_size != want:
-        what = "its restricted head" if head_vocab is not None else "the target"
-        raise ConfigError(f"{desc} scores {runner.vocab_size} tokens but {what} needs {want}; "
+        what = f"its vocab: key asks for {want}" if head_vocab is not None else f"the target has {want}"
+        raise ConfigError(f"{desc} has a vocabulary of {runner.vocab_size} tokens but {what}; "
                           "draft and target must share a tokenizer")

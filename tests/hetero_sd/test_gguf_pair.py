@@ -78,7 +78,7 @@ def test_restricted_head_sampling_reproduces_and_keeps_q_on_the_target_vocab(pai
 def test_restricted_head_errors_name_the_mismatch(pair):
     target = _load(pair[0], "onnxruntime")
     cut = _load(pair[1], "onnxruntime", vocab=200)
-    with pytest.raises(ConfigError, match="scores 200 tokens but the target needs 384"):
+    with pytest.raises(ConfigError, match="vocabulary of 200 tokens but the target has 384"):
         ModelDrafter(cut, target.vocab_size)
     with pytest.raises(ConfigError, match="vocab 500 exceeds the target's vocabulary of 384"):
         ModelDrafter(cut, target.vocab_size, head_vocab=500)
