@@ -64,15 +64,17 @@ class BenchOptions:
 
 
 def _peer_spec(configs: list[Config], model_path: Path) -> dict:
-    """Peers draft like our configurations do: the first n-gram and the first draft-model config."""
+    """Peers draft like our configurations do: the first n-gram and the first draft-model config
+    (a `k: auto` of ours keeps the peer's fixed default: peers have no adaptive length)."""
     spec = {"ngram_k": 5, "max_ngram": 4, "draft_k": 4, "draft_path": model_path, "draft_precision": "fp32"}
+    fixed = lambda k, default: k if isinstance(k, int) else default  # noqa: E731
     ngram = next((c for c in configs if c.drafter.kind == "ngram"), None)
     if ngram:
-        spec["ngram_k"], spec["max_ngram"] = ngram.drafter.k, ngram.drafter.max_ngram
+        spec["ngram_k"], spec["max_ngram"] = fixed(ngram.drafter.k, 5), ngram.drafter.max_ngram
     drafted = next((c for c in configs if c.drafter.kind == "model"), None)
     if drafted:
         base = Path(drafted.source).parent
-        spec["draft_k"], spec["draft_precision"] = drafted.drafter.k, drafted.drafter.precision
+        spec["draft_k"], spec["draft_precision"] = fixed(drafted.drafter.k, 4), drafted.drafter.precision
         spec["draft_path"] = resolve_model(drafted.drafter.model or drafted.target.model, base).resolve()
     return spec
 

@@ -292,3 +292,18 @@ def test_draft_model_feeds_our_draft_model_configs(tiny_model_dir, tmp_path):
     cfgs = load_configs([str(drafted), str(ngram)], str(model), 4, str(other))
     assert cfgs[0].drafter.model == str(other) and cfgs[1].drafter.kind == "ngram"
     assert load_configs([str(drafted)], str(model), 4)[0].drafter.model == str(model)  # the default: the target
+
+
+def test_peers_get_a_fixed_draft_length_when_ours_adapts(tmp_path):
+    """A `k: auto` configuration hands the peers their fixed defaults, not the
+    string (a peer given "auto" failed every run)."""
+    from hetero_sd.bench.runner import _peer_spec
+    from hetero_sd.config import load_config
+
+    ngram, model = tmp_path / "n.yaml", tmp_path / "m.yaml"
+    ngram.write_text("drafter: {kind: ngram, k: auto}\n")
+    model.write_text("drafter: {kind: model, k: auto}\n")
+    spec = _peer_spec([load_config(ngram), load_config(model)], tmp_path / "x.gguf")
+    assert (spec["ngram_k"], spec["draft_k"]) == (5, 4)
+    model.write_text("drafter: {kind: model, k: 3}\n")
+    assert _peer_spec([load_config(model)], tmp_path / "x.gguf")["draft_k"] == 3
