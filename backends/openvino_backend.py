@@ -26,7 +26,8 @@ _CPU_POLICY = {
              "u4 compressed weights (block 32; LM head u8), f32 compute, one-token calls padded"),
     "gguf": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "a GGUF's own blocks as u4/u8 compressed constants with their scales and zero points, "
-             "block minimums as their own matmul: bit-exact weights; f32 compute, one-token calls padded"),
+             "block minimums as their own matmul: bit-exact weights (types without a block form, fp32); "
+             "f32 compute, one-token calls padded"),
     "default": ({}, False, "OpenVINO's own defaults (bf16/dynamic int8 on CPU); lossless up to numerics"),
 }
 _COMPRESSED = ("int8", "int4", "gguf")  # read from the ONNX lowering's MatMulNBits as compressed constants

@@ -71,7 +71,14 @@ def _devices(args) -> int:
     if args.json:
         print(json.dumps({"devices": rows, "broken": registry.broken}))
     else:
-        Console().print(table)
+        console = Console()
+        console.print(table)
+        # what each precision keeps and rounds (where a block type has no exact form, say so)
+        for row in rows:
+            for p in row["precisions"]:
+                if p.get("note"):
+                    console.print(f"  {row['backend']}:{row['device']} [bold]{p['name']}[/bold]: {p['note']}",
+                                  highlight=False)
     return 0
 
 
