@@ -22,7 +22,7 @@ OpenVINO's ONNX frontend reads into compressed constants:
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import onnx
@@ -99,7 +99,6 @@ class Linears:
         if precision == "gguf" and not hasattr(weights, "blocks"):
             raise ValueError("precision 'gguf' needs a GGUF model (it keeps the file's own blocks)")
         self.b, self.weights, self.precision = b, weights, precision
-        self.kinds: dict[str, int] = {}  # format -> tensors, for the build report
 
     def float_weight(self, name: str) -> np.ndarray:
         return self.weights.get(name).numpy()
@@ -113,17 +112,15 @@ class Linears:
             w = np.concatenate([self.float_weight(n) for n in names]) if len(names) > 1 else \
                 self.float_weight(names[0])[:rows]
             if self.precision == "fp32":
-                y = self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(w.T, dtype=np.float32), "w"))
-                self._count("fp32")
+                y = self._float_matmul(x, w)
             else:
-                bits = 8 if head or self.precision == "int8" else 4
-                y = self._requantized(x, w, bits)
+                y = self._requantized(x, w, 8 if head or self.precision == "int8" else 4)
         if bias is not None:
             y = self.b.op("Add", y, self.b.const(bias.astype(np.float32), "b"))
         return self.b.op("Identity", y, out=out) if out else y
 
-    def _count(self, kind: str) -> None:
-        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+    def _float_matmul(self, x: str, w: np.ndarray) -> str:
+        return self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(w.T, dtype=np.float32), "w"))
 
     # -- int8 / int4: onnxruntime's block quantizer, one tensor at a time
     def _requantized(self, x: str, w: np.ndarray, bits: int) -> str:
@@ -138,7 +135,6 @@ class Linears:
         zero = np.zeros((n, -(-kb * bits // 8)), dtype=np.uint8)
         (quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits)(packed, wt, scales, zero, block, n, k, True)
         del wt
-        self._count(f"int{bits}")
         return self._matmul_nbits(x, packed, scales, None, k, n, bits, block)
 
     def _matmul_nbits(self, x, packed, scales, zero_points, k, n, bits, block) -> str:
@@ -151,32 +147,27 @@ class Linears:
 
     # -- gguf: the file's blocks
     def _gguf(self, x: str, names: list[str], rows: int | None = None) -> str:
-        parts = [(n, self.weights.blocks(n)) for n in names]
-        if rows is not None:
-            (name, blk), = parts
-            parts = [(name, None if blk is None else blk.rows(0, rows))]
-            if blk is None:  # float storage: sliced where it is read
-                return self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(self.float_weight(name)[:rows].T),
-                                                           "w"))
-        groups: list[list] = []
-        for name, blk in parts:  # runs of one format fuse into one matmul
-            key = None if blk is None else (blk.bits, blk.block, blk.zero, blk.offset is None)
-            if groups and groups[-1][0] == key and key is not None:
-                groups[-1][1].append((name, blk))
-            else:
-                groups.append([key, [(name, blk)]])
-        outs = [self._gguf_group(x, [p for p in group]) for _, group in groups]
-        return outs[0] if len(outs) == 1 else self.b.op("Concat", *outs, axis=-1)
+        """Runs of names in one block format fuse into one matmul; a tensor
+        stored as floats (or a type with no block form) is an exact fp32 one."""
+        outs, run = [], []
 
-    def _gguf_group(self, x: str, parts: list) -> str:
-        if parts[0][1] is None:  # stored as floats (F32/F16/BF16): kept as fp32, exact
-            (name, _), = parts
-            self._count(self.weights.type_name(name) + "->fp32")
-            return self.b.op("MatMul", x, self.b.const(np.ascontiguousarray(self.float_weight(name).T), "w"))
-        blk = parts[0][1] if len(parts) == 1 else _stack([p for _, p in parts])
-        for name, _ in parts:
-            self._count(self.weights.type_name(name))
-        return self.blocks_matmul(x, blk)
+        def flush():
+            if run:
+                outs.append(self.blocks_matmul(x, run[0] if len(run) == 1 else _stack(run)))
+                run.clear()
+
+        for name in names:
+            blk = self.weights.blocks(name)
+            if blk is None:
+                flush()
+                outs.append(self._float_matmul(x, self.float_weight(name)[:rows]))
+                continue
+            blk = blk if rows is None else blk.rows(0, rows)
+            if run and _format(run[0]) != _format(blk):
+                flush()
+            run.append(blk)
+        flush()
+        return outs[0] if len(outs) == 1 else self.b.op("Concat", *outs, axis=-1)
 
     def blocks_matmul(self, x: str, blk: quant.Blocks) -> str:
         n, k = blk.shape
@@ -200,9 +191,9 @@ class Linears:
     def embedding(self, name: str) -> str:
         """The token table for Gather: fp32 (the GGUF's blocks dequantized exactly,
         in row chunks, so the float copy never sits whole in memory)."""
-        if self.precision != "gguf" or self.weights.blocks(name) is None:
+        blk = self.weights.blocks(name) if self.precision == "gguf" else None
+        if blk is None:
             return self.b.const(self.float_weight(name), "embed")
-        blk = self.weights.blocks(name)
         rows = blk.shape[0]
         chunks = (quant.dequantize(blk.rows(i, i + ROWS_PER_CHUNK)) for i in range(0, rows, ROWS_PER_CHUNK))
         return self.b.const_stream("embed", blk.shape, np.float32, chunks)
@@ -220,8 +211,6 @@ def _stack(blocks: list[quant.Blocks]) -> quant.Blocks:
                         None if first.offset is None else cat(lambda b: b.offset))
 
 
-def precision_note(kinds: dict[str, int]) -> str:
-    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-
-
-ProgressFn = Callable[[int, int, str], None]
+def _format(blk: quant.Blocks) -> tuple:
+    """What must agree for blocks to share one MatMulNBits."""
+    return blk.bits, blk.block, blk.zero, blk.offset is None

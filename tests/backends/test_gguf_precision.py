@@ -45,9 +45,6 @@ class _OneWeight:
     def blocks(self, name):
         return self._blocks
 
-    def type_name(self, name):
-        return "test"
-
 
 def _run(backend: str, path, x: np.ndarray) -> np.ndarray:
     if backend == "onnxruntime":
