@@ -99,11 +99,30 @@ class GenerationConfig(_Section):
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0)
+    # Hold the output to a grammar, one of: json_schema (a mapping, or a file of JSON
+    # relative to this YAML), json: true (any JSON object), regex, grammar (GBNF or
+    # Lark text, or a file). hetero_sd/constraint.
+    constraint: dict | None = None
 
     def sampling(self):
         from hetero_sd.sampling import SamplingParams
 
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    def constraint_spec(self, source: str):
+        """The Constraint (file names read relative to the YAML), checked; errors name file and key."""
+        from hetero_sd.constraint import Constraint, read_source
+
+        if self.constraint is None:
+            return None
+        value = dict(self.constraint)
+        base = Path(source).parent if source != "<defaults>" else None
+        for kind in ("json_schema", "grammar"):
+            if isinstance(value.get(kind), str):
+                value[kind] = read_source(value[kind], base)
+        spec = Constraint.of(value, f"{source}: generation.constraint")
+        spec.check()
+        return spec
 
 
 class MemoryConfig(_Section):
@@ -248,6 +267,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
                           f"drafter.kind: model (kind is {cfg.drafter.kind!r})")
     _check_workers(cfg, path)
+    cfg.generation.constraint_spec(str(path))  # a bad grammar fails now, naming the file and key
     return cfg
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from hetero_sd.constraint import Constraint
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import Fallback, FailoverDrafter, FailoverRunner, NoFallback, Replanner
@@ -50,7 +51,8 @@ class Engine:
     def __init__(self, target, drafter: Drafter | None = None, k: int = 5, tokenizer=None,
                  eos_ids: tuple[int, ...] = (), max_new_tokens: int = 128, stop: tuple[str, ...] = (),
                  chat_template: bool = False, sampling: SamplingParams = SamplingParams(),
-                 fallback: Fallback | None = None, policy=None, replanner: Replanner | None = None, plan=None):
+                 fallback: Fallback | None = None, policy=None, replanner: Replanner | None = None, plan=None,
+                 constraint: Constraint | dict | None = None):
         fallback = fallback or NoFallback()
         self._target = FailoverRunner(target, fallback)
         self._drafter = FailoverDrafter(drafter, fallback, replanner)
@@ -62,6 +64,11 @@ class Engine:
         self.plan = plan  # the splitter's plan when placement was automatic
         self.eos_ids = set(eos_ids)
         self.max_new_tokens, self.stop, self.chat_template = max_new_tokens, list(stop), chat_template
+        self._compiler = None  # built on the first constrained request (llguidance's view of the tokenizer)
+        # The default constraint (YAML generation.constraint), compiled now so a bad one fails at build.
+        self.constraint = Constraint.of(constraint)
+        if self.constraint is not None:
+            self._guide(self.constraint)
 
     @property
     def target(self):
@@ -105,11 +112,26 @@ class Engine:
 
     def generate(self, prompt: str, max_new_tokens: int | None = None, target_only: bool = False,
                  stop: list[str] | None = None, chat_template: bool | None = None,
-                 sampling: SamplingParams | None = None, **sampling_overrides) -> GenerationResult:
+                 sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
+                 **sampling_overrides) -> GenerationResult:
         """Sampling: pass `sampling=SamplingParams(...)` or any of its fields
-        (temperature=, top_k=, top_p=, seed=) to override the engine's default."""
+        (temperature=, top_k=, top_p=, seed=) to override the engine's default.
+        `constraint`: hold the output to a grammar (hetero_sd.constraint.Constraint,
+        or {"json_schema": {...}} / {"regex": "..."} / {"grammar": "..."} / {"json": True});
+        None uses the engine's default (YAML generation.constraint)."""
         return self.generate_ids(self.encode(prompt, chat_template), max_new_tokens, target_only, stop,
-                                 sampling, **sampling_overrides)
+                                 sampling, constraint, **sampling_overrides)
+
+    def _guide(self, constraint: Constraint):
+        """A fresh grammar state for one request (compiled grammars are cached)."""
+        from hetero_sd.constraint.guide import GuideCompiler
+        from hetero_sd.errors import ConstraintError
+
+        if self.tokenizer is None:
+            raise ConstraintError(f"{constraint.where}: constrained decoding needs the engine's tokenizer")
+        if self._compiler is None:
+            self._compiler = GuideCompiler(self.tokenizer, self._target.vocab_size, tuple(self.eos_ids))
+        return self._compiler.guide(constraint)
 
     def _params(self, sampling: SamplingParams | None, overrides: dict) -> SamplingParams:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)}
@@ -121,8 +143,10 @@ class Engine:
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      target_only: bool = False, stop: list[str] | None = None,
-                     sampling: SamplingParams | None = None, **sampling_overrides) -> GenerationResult:
+                     sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
+                     **sampling_overrides) -> GenerationResult:
         params = self._params(sampling, sampling_overrides)
+        constraint = Constraint.of(constraint) or self.constraint
         speculate = not target_only and self.drafter is not None
         n = len(prompt_ids)
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -136,10 +160,13 @@ class Engine:
         stats = GenerationStats(mode=self._drafter.name if speculate else "target-only", prompt_tokens=n,
                                 sampling=params.describe())
         stopper = StopChecker(budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
+        guide = None if constraint is None else self._guide(constraint)  # a bad grammar fails here, before any token
         if speculate:
             self.policy.reset()  # acceptance is per request; learnt costs are kept
         run = _Run(self._target, self._drafter if speculate else None, self.policy,
                    None if params.greedy else Sampler(params), stopper, stats, list(prompt_ids))
+        if guide is not None:
+            run.constrain(guide, self.eos_ids)
         try:
             run.run()
         except GenerationError as exc:
@@ -167,11 +194,20 @@ class _Run:
         self.t_start = time.perf_counter()
         self.seq = target.allocate(self.capacity)
         self.pos = self.synced = 0  # positions in the target's cache; tokens the drafter was told
+        self.constrainer = None  # hetero_sd.constraint.rounds.Constrainer when the output has a grammar
+
+    def constrain(self, guide, eos_ids: set[int]) -> None:
+        from hetero_sd.constraint.rounds import Constrainer
+
+        self.constrainer = Constrainer(guide, eos_ids, self.stats)
 
     def run(self) -> None:
         """Prefill, then rounds of draft, verify, accept, commit (rollback is in _verify)."""
+        con = self.constrainer
         if self.drafter is not None:
-            self.drafter.begin(self.capacity, self.sampler)
+            self.drafter.begin(self.capacity, self.sampler, None if con is None else con.guide)
+        if con is not None:
+            con.prepare([])
         first = self._score(self.prompt, 0, 1)[0]
         self.pos = len(self.prompt)
         self.stats.prefill_s = time.perf_counter() - self.t_start
@@ -193,6 +229,9 @@ class _Run:
     def _score(self, tokens: list[int], start: int, n: int):
         """The target's next token after each of the last n tokens (greedy ids,
         or float64 distributions when sampling)."""
+        if self.constrainer is not None:  # the masks prepared for these rows
+            logits = self.constrainer.apply(self.target.forward(self.seq, tokens, start, n))
+            return [int(i) for i in logits.argmax(-1)] if self.sampler is None else self.sampler.probs(logits)
         if self.sampler is None:
             return self.target.greedy(self.seq, tokens, start, n)
         return self.sampler.probs(self.target.forward(self.seq, tokens, start, n))
@@ -207,10 +246,15 @@ class _Run:
             seconds = None
         self.synced = len(self.context)
         drafts = proposal.tokens[:k]
-        return drafts, None if proposal.probs is None else proposal.probs[:len(drafts)], seconds
+        probs = None if proposal.probs is None else proposal.probs[:len(drafts)]
+        if self.constrainer is not None:
+            drafts, probs = self.constrainer.cut(drafts, probs)
+        return drafts, probs, seconds
 
     def _verify(self, drafts: list[int], draft_probs) -> VerifyResult:
         req = VerifyRequest(self.seq, self.pos, [self.context[-1]] + drafts)
+        if self.constrainer is not None:
+            self.constrainer.prepare(drafts)
         scored = self._score(req.tokens, req.start, len(req.tokens))
         if self.sampler is None:
             accepted, tokens = accept_greedy(drafts, scored)
@@ -239,7 +283,12 @@ class _Run:
 
     def _commit(self, tokens: list[int]) -> bool:
         """Append committed tokens; True when generation is over."""
+        con = self.constrainer
         for token in tokens:
+            if con is not None and token not in self.stopper.eos_ids and con.commit(token):
+                self.stopper.feed(token)
+                self.stopper.reason = "grammar"  # the language ended: stop where target-only would
+                return True
             if self.stopper.feed(token):
                 return True
             self.context.append(token)
@@ -249,6 +298,8 @@ class _Run:
     def close(self) -> GenerationResult:
         """Free the sequence and the drafter's state; the result so far."""
         self.target.release(self.seq)
+        if self.constrainer is not None:
+            self.constrainer.close()
         if self.drafter is not None:
             self.drafter.reset()
         self._take_events()

@@ -2,6 +2,7 @@
 from hetero_sd.ir.errors import (  # noqa: F401
     BackendError,
     ConfigError,
+    ConstraintError,
     GenerationError,
     HeteroSDError,
     KVBudgetError,

@@ -213,7 +213,7 @@ class FailoverDrafter(Drafter):
         self.events: list[str] = []
         self.context: list[int] = []  # the committed context, to start a replacement from
         self._fresh = False  # `live` has not been told the context yet
-        self._capacity, self._sampler = 0, None
+        self._capacity, self._sampler, self._guide = 0, None, None
 
     @property
     def name(self) -> str:
@@ -223,14 +223,22 @@ class FailoverDrafter(Drafter):
         events, self.events = self.events, []
         return events
 
-    def begin(self, capacity: int, sampler=None) -> None:
-        self._capacity, self._sampler, self.context, self.live = capacity, sampler, [], None
+    def begin(self, capacity: int, sampler=None, guide=None) -> None:
+        self._capacity, self._sampler, self._guide, self.context, self.live = capacity, sampler, guide, [], None
         if self.current is not None:
             self._start(self.current)
 
+    def _begin(self, drafter: Drafter) -> None:
+        # a guide only when the request has a grammar: drafters written before
+        # guides existed (begin(capacity, sampler)) keep working without one
+        if self._guide is None:
+            drafter.begin(self._capacity, self._sampler)
+        else:
+            drafter.begin(self._capacity, self._sampler, self._guide)
+
     def _start(self, drafter: Drafter) -> None:
         try:
-            drafter.begin(self._capacity, self._sampler)
+            self._begin(drafter)
         except Exception as exc:
             self._failed(drafter, exc)
             return
@@ -275,7 +283,7 @@ class FailoverDrafter(Drafter):
             return
         old = self.live
         try:
-            replacement.begin(self._capacity, self._sampler)
+            self._begin(replacement)
         except Exception as exc:
             self.events.append(f"re-plan to {replacement.name} failed at start: {describe(exc)}")
             return

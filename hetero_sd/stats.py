@@ -16,10 +16,14 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
-    finish_reason: str = ""  # "eos" | "length" | "stop" | "context"
+    finish_reason: str = ""  # "eos" | "length" | "stop" | "grammar" | "context"
     lossless: str = "exact"  # "exact" or "up to numerics" (target not batch-invariant)
     events: list[str] = field(default_factory=list)  # device failures and what took over
     sampling: str = "greedy"  # or "T=.. top_k=.. top_p=.. seed=.." (exact = distribution-preserving)
+    constraint: str = ""  # the grammar output was held to ("" = none); finish_reason "grammar" = it ended
+    mask_s: float = 0.0  # computing grammar masks (on a helper thread, overlapping the target)
+    mask_wait_s: float = 0.0  # of which the engine waited for after the target's forward
+    grammar_cut: int = 0  # drafts dropped because the grammar refused them
 
     @property
     def other_s(self) -> float:
@@ -67,6 +71,9 @@ class GenerationStats:
             line += f" | {len(self.events)} failover events (see stats.events)"
         if self.sampling != "greedy":
             line += f" | sampling {self.sampling}"
+        if self.constraint:
+            line += (f" | constraint {self.constraint}: masks {self.mask_s * 1e3:.0f} ms "
+                     f"({self.mask_wait_s * 1e3:.0f} ms waited), {self.grammar_cut} drafts cut")
         if self.lossless != "exact":
             line += f" | lossless {self.lossless}"
         return line

@@ -28,3 +28,8 @@ class KVBudgetError(BackendError):
 
 class GenerationError(HeteroSDError):
     """A request cannot be served as asked (too long a prompt, ...)."""
+
+
+class ConstraintError(ConfigError):
+    """A grammar, regex or JSON Schema that cannot constrain generation
+    (a syntax error, an invalid or unsatisfiable schema), found before any token."""

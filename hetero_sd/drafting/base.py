@@ -5,7 +5,7 @@ deltas (`DraftRequest.base_len` + `new_tokens`), so the same contract holds
 when a drafter runs in another process (remote.py).
 
     required  name                              shown in stats and events
-              begin(capacity, sampler)          start a sequence
+              begin(capacity, sampler, guide)   start a sequence
               draft(DraftRequest) -> DraftResult
               reset()                           forget the sequence (end of a request)
     optional  wait_ready()                      block until usable (a worker loading its model)
@@ -24,11 +24,14 @@ class Drafter(ABC):
     name: str = "drafter"
 
     @abstractmethod
-    def begin(self, capacity: int, sampler=None) -> None:
+    def begin(self, capacity: int, sampler=None, guide=None) -> None:
         """Start a sequence of at most `capacity` positions (reserve what it needs).
         `sampler` (hetero_sd.sampling.Sampler) is None for greedy requests; a
         drafter that samples draws from its draft stream and returns the
-        distributions in DraftResult.probs."""
+        distributions in DraftResult.probs. `guide` (hetero_sd.constraint.guide.Guide)
+        is the request's grammar, at the committed state whenever draft() is
+        called; a drafter may draft within it (and must leave it as it found
+        it) or ignore it: the engine cuts drafts the grammar refuses."""
 
     @abstractmethod
     def draft(self, req: DraftRequest) -> DraftResult:

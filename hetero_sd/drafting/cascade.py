@@ -57,8 +57,9 @@ class CascadeDrafter(Drafter):
         self._inner_live = False
 
     # ------------------------------------------------------------ the protocol
-    def begin(self, capacity: int, sampler=None) -> None:
-        """`sampler` is ignored: the cascade drafts greedily (q one-hot, see module docstring)."""
+    def begin(self, capacity: int, sampler=None, guide=None) -> None:
+        """`sampler` and `guide` are ignored: the cascade drafts greedily (q one-hot,
+        see module docstring), so the engine's cut at the first refused draft is exact."""
         self.reset()
         self._seq = self.runner.allocate(capacity)
         try:

@@ -35,12 +35,12 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         if self._seq is not None:
             self.runner.release(self._seq)
-        self._seq, self.context, self._cached, self._sampler = None, [], [], None
+        self._seq, self.context, self._cached, self._sampler, self._guide = None, [], [], None, None
 
-    def begin(self, capacity: int, sampler=None) -> None:
+    def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
         self._seq = self.runner.allocate(capacity)
-        self._sampler = sampler
+        self._sampler, self._guide = sampler, guide
 
     def _sync(self) -> list[int]:
         """Truncate the cache to the common prefix; return the tokens still to feed."""
@@ -54,20 +54,50 @@ class ModelDrafter(Drafter):
         apply_delta(self.context, req)
         if self._seq is None:
             raise RuntimeError("ModelDrafter.begin must be called before draft")
-        feed, out, probs = self._sync(), [], []
-        for _ in range(req.k):
-            start = len(self._cached)
-            if self._sampler is None:
-                token = self.runner.greedy(self._seq, feed, start, 1)[0]
-            else:
-                token, q = self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
-                # a restricted head proposes only ids < its width: q is 0 beyond
-                # it, which the target's rejection rule handles like any q
-                probs.append(q if len(q) == self.target_vocab else np.pad(q, (0, self.target_vocab - len(q))))
-            self._cached.extend(feed)
-            out.append(token)
-            feed = [token]
+        feed, out, probs, walked = self._sync(), [], [], 0
+        try:
+            for _ in range(req.k):
+                token, q = self._next(feed)
+                if token is None:
+                    break
+                if q is not None:
+                    # a restricted head proposes only ids < its width: q is 0 beyond
+                    # it, which the target's rejection rule handles like any q
+                    probs.append(q if len(q) == self.target_vocab else np.pad(q, (0, self.target_vocab - len(q))))
+                self._cached.extend(feed)
+                out.append(token)
+                feed = [token]
+                if self._guide is not None:
+                    if not self._guide.accept(token):
+                        raise RuntimeError(f"the grammar refused draft {token} it had allowed")
+                    walked += 1
+                    if self._guide.finished:  # the language ended: only EOS could follow
+                        break
+        finally:
+            if walked:
+                self._guide.rollback(walked)  # the guide is the engine's: leave it at the committed state
         return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
+
+    def _next(self, feed: list[int]):
+        """The next draft token and the q it was drawn from (None when greedy);
+        (None, None) when the grammar allows nothing the draft's head can propose.
+        With a guide the draft's logits are masked first, so drafts stay on the
+        grammar and q is the masked, renormalised distribution they came from."""
+        start = len(self._cached)
+        if self._guide is None:
+            if self._sampler is None:
+                return self.runner.greedy(self._seq, feed, start, 1)[0], None
+            return self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
+        from hetero_sd.constraint.guide import mask_logits
+
+        logits = self.runner.forward(self._seq, feed, start, 1)[-1:]
+        allowed = self._guide.allowed()[:logits.shape[-1]]
+        if not allowed.any():  # a restricted head cannot say what the grammar needs next
+            return None, None
+        logits = mask_logits(logits, allowed)
+        if self._sampler is None:
+            return int(logits[0].argmax()), None
+        return self._sampler.sample_draft(logits)
 
 
 def check_vocab(runner: Runner, target_vocab: int, desc: str, head_vocab: int | None = None) -> None:

@@ -22,7 +22,7 @@ class NgramDrafter(Drafter):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.reset()
 
-    def begin(self, capacity: int, sampler=None) -> None:
+    def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
 
     def reset(self) -> None:

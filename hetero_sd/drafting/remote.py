@@ -203,7 +203,8 @@ class RemoteDrafter(Drafter):
         self.close()
 
     # ------------------------------------------------------------ the Drafter protocol
-    def begin(self, capacity: int, sampler=None) -> None:
+    def begin(self, capacity: int, sampler=None, guide=None) -> None:
+        # guide: not sent (the grammar lives in this process); the engine cuts refused drafts
         words = sampling_words(sampler)
         idle_worker = self._w is not None and self._ready
         try:

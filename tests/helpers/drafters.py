@@ -10,8 +10,8 @@ class ProxyDrafter(Drafter):
     def __init__(self, inner, name: str | None = None):
         self.inner, self.name = inner, name or inner.name
 
-    def begin(self, capacity, sampler=None):
-        self.inner.begin(capacity, sampler)
+    def begin(self, capacity, sampler=None, guide=None):
+        self.inner.begin(capacity, sampler, guide)
 
     def reset(self):
         self.inner.reset()

@@ -1,0 +1,84 @@
+"""A constraint inside the speculative round: which drafts to verify, the mask
+of every verified row, and what the committed tokens do to the grammar.
+
+Constrained target-only decoding masks the target's row at every position
+with the grammar state after the tokens before it, then takes the argmax or
+warps and samples. Speculation keeps exactly that:
+
+- Drafts are cut where the grammar refuses one. Greedy, or a deterministic
+  drafter (q one-hot): at the first refused draft, which could never be
+  accepted. A sampled draft with its own q (a drafter that did not apply the
+  grammar): just after it. Its target probability is 0, so the rejection
+  step rejects it with certainty and draws the correction from
+  norm(max(0, p - q)), which is what keeps sampling exact; cutting it away
+  instead would draw from p whenever q strayed, a different distribution.
+- Row i of the verify is masked with the state after drafts[:i]. The masks
+  are computed on a helper thread while the target runs its forward
+  (llguidance releases the GIL), so only what outlasts the forward is on the
+  critical path (`stats.mask_wait_s`; `stats.mask_s` is the whole cost).
+- Only committed tokens advance the grammar; a draft walk is rolled back.
+  When the language ends (nothing but EOS may follow), generation stops
+  right after that token with finish_reason "grammar", in both modes.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from hetero_sd.constraint.guide import Guide, mask_logits
+from hetero_sd.ir.errors import GenerationError
+
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsd-grammar")
+
+
+class Constrainer:
+    """The engine's side of one constrained request."""
+
+    def __init__(self, guide: Guide, eos_ids: set[int], stats):
+        self.guide, self.eos_ids, self.stats = guide, eos_ids, stats
+        self._masks = None  # a Future of bool [rows, V] for the next scored rows
+        stats.constraint = guide.constraint.describe()
+
+    def cut(self, drafts: list[int], probs):
+        """The drafts worth verifying (and their q rows)."""
+        valid = self.guide.valid_prefix(drafts)
+        keep = valid + (1 if probs is not None and valid < len(drafts) else 0)
+        if keep < len(drafts):
+            self.stats.grammar_cut += len(drafts) - keep
+        return drafts[:keep], None if probs is None else probs[:keep]
+
+    def prepare(self, drafts: list[int]) -> None:
+        """Start the masks of the len(drafts) + 1 rows the next verify scores."""
+        # The grammar state cannot advance past a refused draft (the row after it
+        # is never used: that draft is rejected) or an EOS (the output ends there).
+        walk = drafts[:self.guide.valid_prefix(drafts)]
+        walk = walk[:next((i for i, t in enumerate(walk) if t in self.eos_ids), len(walk))]
+        self._masks = _POOL.submit(self._rows, len(drafts) + 1, walk)
+
+    def _rows(self, n: int, walk: list[int]) -> np.ndarray:
+        t0 = time.perf_counter()
+        rows = self.guide.allowed_rows(len(walk) + 1, walk)
+        if n > len(rows):  # rows past a refused draft or an EOS: never decide anything
+            rows = np.concatenate([rows, np.repeat(rows[-1:], n - len(rows), axis=0)])
+        self.stats.mask_s += time.perf_counter() - t0
+        return rows
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """The target's logits [n, V] with the prepared masks applied."""
+        t0 = time.perf_counter()
+        masks, self._masks = self._masks.result(), None
+        self.stats.mask_wait_s += time.perf_counter() - t0
+        return mask_logits(logits, masks[-len(logits):])
+
+    def commit(self, token: int) -> bool:
+        """Advance the grammar by a committed token; True when its language ended."""
+        if not self.guide.accept(token):
+            raise GenerationError(f"internal: the grammar refused committed token {token}")
+        return self.guide.finished
+
+    def close(self) -> None:
+        if self._masks is not None:  # an error between prepare and apply: let the helper finish
+            self._masks.exception()
+            self._masks = None
