@@ -20,6 +20,7 @@ def _generate(args) -> int:
                  "generation.top_k": args.top_k, "generation.top_p": args.top_p, "generation.seed": args.seed}
     if args.no_chat_template:
         overrides["generation.chat_template"] = False
+    constraint = _constraint(args)  # a bad grammar fails before any model loads
     cfg = load_config(args.config, overrides)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -32,7 +33,7 @@ def _generate(args) -> int:
               "placement: manual (the config fixes every placement; set placement: auto to let "
               "the splitter choose)", file=sys.stderr)
     try:
-        result = engine.generate(prompt, target_only=args.target_only)
+        result = engine.generate(prompt, target_only=args.target_only, constraint=constraint)
     except GenerationError as exc:
         partial = getattr(exc, "partial", None)
         if partial is not None and partial.token_ids:  # never lose what was already produced
@@ -44,6 +45,29 @@ def _generate(args) -> int:
         print(result.text)
         print(result.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _constraint(args):
+    """The Constraint the flags ask for (at most one), checked; None when none."""
+    from hetero_sd.constraint import Constraint, read_source
+
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
+                                               ("--grammar", args.grammar), ("--any-json", args.any_json))
+             if value]
+    if len(given) > 1:
+        raise HeteroSDError(f"give one constraint, not {' and '.join(flag for flag, _ in given)}")
+    if not given:
+        return None
+    flag, value = given[0]
+    if flag == "--any-json":
+        constraint = Constraint.any_json(flag)
+    elif flag == "--regex":
+        constraint = Constraint.regex(value, flag)
+    else:
+        kind = "json_schema" if flag == "--json-schema" else "grammar"
+        constraint = Constraint(kind, read_source(value), flag)
+    constraint.check()
+    return constraint
 
 
 def _devices(args) -> int:
@@ -129,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (1 = off)")
     gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    con = gen.add_argument_group("constrained output (one of; lossless under speculation)")
+    con.add_argument("--json-schema", metavar="FILE|JSON", help="output is JSON valid under this JSON Schema")
+    con.add_argument("--any-json", action="store_true", help="output is a JSON object (any keys)")
+    con.add_argument("--regex", help="output matches this regular expression (Rust regex syntax)")
+    con.add_argument("--grammar", metavar="FILE|TEXT", help="output follows this GBNF (llama.cpp) or Lark grammar")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--explain", action="store_true",
                      help="print why each placement was chosen (placement: auto) to stderr")

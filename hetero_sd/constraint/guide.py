@@ -48,7 +48,7 @@ def _grammar(constraint) -> str:
             return llg.LLMatcher.grammar_from_regex(constraint.source)
         return llg.grammar_from("grammar", constraint.source)  # GBNF or Lark, told apart by syntax
     except ValueError as exc:
-        raise ConstraintError(f"{constraint.where}: {_first_lines(str(exc))}") from None
+        raise ConstraintError(f"{constraint.where}: invalid {constraint.kind}: {_first_lines(str(exc))}") from None
 
 
 def _first_lines(message: str, n: int = 4) -> str:
