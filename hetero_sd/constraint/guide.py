@@ -27,6 +27,11 @@ import numpy as np
 from hetero_sd.ir.errors import ConstraintError
 
 _CACHE_SIZE = 64  # compiled matchers kept per tokenizer
+# Whitespace between JSON tokens, as llama.cpp's schema grammars allow it: one space,
+# or a newline and up to 20 spaces or tabs of indent. Unbounded whitespace (llguidance's
+# own default) lets a model loop on blank lines until the token budget runs out. A
+# schema's own "x-guidance" options take precedence.
+JSON_DEFAULTS = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
 
 
 def _llguidance():
@@ -43,7 +48,7 @@ def _grammar(constraint) -> str:
     llg = _llguidance()
     try:
         if constraint.kind in ("json_schema", "json"):
-            return llg.LLMatcher.grammar_from_json_schema(constraint.schema())
+            return llg.LLMatcher.grammar_from_json_schema(constraint.schema(), defaults=JSON_DEFAULTS)
         if constraint.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(constraint.source)
         return llg.grammar_from("grammar", constraint.source)  # GBNF or Lark, told apart by syntax
@@ -54,6 +59,12 @@ def _grammar(constraint) -> str:
 def _first_lines(message: str, n: int = 4) -> str:
     """llguidance's messages carry the grammar it generated: keep the part that names the problem."""
     lines = [line for line in message.strip().splitlines() if line.strip()]
+    if "regex parse error:" in message:  # the regex crate's report: the problem, then where
+        at = next(i for i, line in enumerate(lines) if "regex parse error:" in line)
+        problem = next((line.strip()[len("error:"):].strip() for line in lines[at:]
+                        if line.strip().startswith("error:")), "")
+        where = [line.rstrip() for line in lines[at + 1:at + 3] if not line.strip().startswith("error:")]
+        return "\n  ".join([problem] + where)
     return "\n  ".join(lines[:n])
 
 
@@ -81,6 +92,7 @@ class GuideCompiler:
         key = (constraint.kind, constraint.source)
         matcher = self._compiled.get(key)
         if matcher is None:
+            constraint.check()  # the user's errors, worded as at load (jsonschema's, then llguidance's)
             grammar = check_grammar(constraint, self._tokenizer)
             matcher = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
             if matcher.is_error():

@@ -110,3 +110,56 @@ def chi_square_p(counts: dict[tuple, int], expected_p: dict[tuple, float], n: in
         obs.append(rest_obs)
         exp.append(rest_exp)
     return float(chisquare(obs, exp).pvalue)
+
+
+class TableTokenizer:
+    """Text for the table model's ids, so a grammar can constrain it: ids 0..2 are the
+    characters of `letters`, the last id is EOS. It has the fields llguidance's
+    TokenizerWrapper reads (tokens as bytes, eos/bos ids, special ids, __call__) and
+    the decode the engine uses for result text."""
+
+    def __init__(self, letters: str = "abc"):
+        self.letters = letters
+        self.eos_token_id, self.bos_token_id = len(letters), None
+        self.tokens = [c.encode() for c in letters] + [b"</s>"]
+        self.special_token_ids = [self.eos_token_id]
+
+    def __call__(self, text) -> list[int]:
+        text = text.decode() if isinstance(text, bytes) else text
+        return [self.letters.index(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.letters[i] if i < len(self.letters) else ("" if skip_special_tokens else "</s>")
+                       for i in ids)
+
+
+def exact_constrained_joint(target: TableRunner, params, prompt: list[int], new: int, pattern: str,
+                            tok: TableTokenizer) -> dict[tuple, float]:
+    """P(output) under `params` with the target masked by `pattern` (a regex over the
+    letters), by enumeration; an independent oracle: the allowed set comes from the
+    `regex` module's partial matching, not from the grammar library under test. EOS is
+    allowed exactly when the text so far matches; it ends the output (not included)."""
+    import regex
+
+    from hetero_sd.sampling import warp
+
+    def allowed(text: str) -> np.ndarray:
+        ok = [regex.fullmatch(pattern, text + c, partial=True) is not None for c in tok.letters]
+        return np.array(ok + [regex.fullmatch(pattern, text) is not None])
+
+    out: dict[tuple, float] = {}
+
+    def walk(ids: list[int], prob: float) -> None:
+        if len(ids) == new:
+            out[tuple(ids)] = out.get(tuple(ids), 0.0) + prob
+            return
+        logits = np.where(allowed(tok.decode(ids)), target.logits_for(prompt + ids), -np.inf)
+        p = warp(logits, params)[0]
+        for t in np.nonzero(p)[0]:
+            if t == tok.eos_token_id:
+                out[tuple(ids)] = out.get(tuple(ids), 0.0) + prob * p[t]
+            else:
+                walk(ids + [int(t)], prob * p[t])
+
+    walk([], 1.0)
+    return out

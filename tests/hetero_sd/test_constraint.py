@@ -1,0 +1,129 @@
+"""Constraints from the API, the CLI and YAML: each bad grammar gets one clear
+error naming the problem before any generation (CLI exit 2, an exception from
+the API, the file and key from YAML), and good ones hold the output."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from hetero_sd.cli import main
+from hetero_sd.config import load_config
+from hetero_sd.constraint import Constraint
+from hetero_sd.constraint.guide import GuideCompiler
+from hetero_sd.engine import Engine
+from hetero_sd.errors import ConfigError, ConstraintError
+from helpers.table_model import TableRunner, TableTokenizer
+
+# (constraint, a phrase the error must contain)
+BAD = [
+    (Constraint.json_schema({"type": "strin"}), "invalid JSON Schema at type"),
+    (Constraint.json_schema('{"type": "object",'), "not valid JSON"),
+    (Constraint.json_schema({"type": "integer", "minimum": 5, "maximum": 3}), "Unsatisfiable schema"),
+    (Constraint.json_schema({"allOf": [{"type": "string"}, {"type": "number"}]}), "Unsatisfiable schema"),
+    (Constraint.regex("[0-9]{3}-[a-z"), "unclosed character class"),
+    (Constraint.grammar('root ::= "a" [0-9+'), "invalid grammar"),
+    (Constraint.grammar('start: "x" | y'), "unknown name"),
+]
+CLI_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}
+
+
+def _table_engine(**kw) -> Engine:
+    tok = TableTokenizer()
+    return Engine(TableRunner(4, seed=0), None, tokenizer=tok, eos_ids=(tok.eos_token_id,), **kw)
+
+
+@pytest.mark.parametrize("constraint, phrase", BAD, ids=[f"{c.kind}-{i}" for i, (c, _) in enumerate(BAD)])
+def test_bad_constraint_fails_before_generation(constraint, phrase):
+    with pytest.raises(ConstraintError, match=re.escape(phrase)):
+        constraint.check()
+    engine = _table_engine()
+    with pytest.raises(ConstraintError, match=re.escape(phrase)):
+        engine.generate_ids([0, 1, 2], 8, constraint=constraint)
+    assert engine.target.calls == 0  # nothing ran
+
+
+@pytest.mark.parametrize("constraint, phrase", BAD, ids=[f"{c.kind}-{i}" for i, (c, _) in enumerate(BAD)])
+def test_bad_constraint_from_the_cli(constraint, phrase, capsys):
+    # checked before the config or any model loads: no --config is needed to see the error
+    code = main(["generate", "--prompt", "x", CLI_FLAGS[constraint.kind], constraint.source])
+    err = capsys.readouterr().err
+    assert code == 2 and phrase in err and CLI_FLAGS[constraint.kind] in err, err
+    assert err.count("hetero-sd: error:") == 1 and "Traceback" not in err
+
+
+def test_cli_takes_one_constraint(capsys):
+    assert main(["generate", "--prompt", "x", "--regex", "a", "--any-json"]) == 2
+    assert "--regex and --any-json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body, phrase", [
+    ("regex: '[a-'", "generation.constraint.regex: invalid regex"),
+    ("json_schema: {type: strin}", "generation.constraint.json_schema: invalid JSON Schema"),
+    ("grammar: 'root ::= [0-9+'", "generation.constraint.grammar: invalid grammar"),
+    ("json: yes_please", "generation.constraint.json: must be true"),
+    ("regexp: 'a'", "unknown constraint kind 'regexp'; allowed: json_schema, json, regex, grammar"),
+    ("{regex: 'a', json: true}", "give exactly one of"),
+])
+def test_bad_constraint_from_yaml(tmp_path, body, phrase):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"generation:\n  constraint: {body}\n" if body.startswith("{") else
+                    f"generation:\n  constraint:\n    {body}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and phrase in str(info.value), str(info.value)
+
+
+def test_yaml_schema_file_relative_to_the_config(tmp_path):
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "p.json").write_text(json.dumps({"type": "object", "required": ["a"]}))
+    path = tmp_path / "c.yaml"
+    path.write_text("generation:\n  constraint:\n    json_schema: schemas/p.json\n")
+    spec = load_config(path).generation.constraint_spec(str(path))
+    assert spec.kind == "json_schema" and json.loads(spec.source)["required"] == ["a"]
+
+
+def test_cli_generates_valid_json_from_a_config(tiny_model_dir, tmp_path, capsys):
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["k"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"target:\n  model: {tiny_model_dir('llama')}\ndrafter:\n  kind: ngram\n  k: 4\n"
+                   "generation:\n  max_new_tokens: 40\n  constraint:\n    json_schema: s.json\n")
+    outputs = []
+    for extra in ([], ["--target-only"], ["--regex", "[a-c]{4}"]):
+        assert main(["generate", "--config", str(cfg), "--prompt", "hello", "--json", *extra]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    spec, base, flag = outputs
+    assert spec["token_ids"] == base["token_ids"] and spec["stats"]["finish_reason"] == "grammar"
+    jsonschema.validate(json.loads(spec["text"]), schema)
+    assert spec["stats"]["constraint"].startswith("json_schema")
+    assert re.fullmatch("[a-c]{4}", flag["text"]) and flag["stats"]["constraint"].startswith("regex")
+
+
+def test_engine_default_constraint_and_override():
+    engine = _table_engine(constraint={"regex": "(ab)+"})
+    assert TableTokenizer().decode(engine.generate_ids([0, 1, 2], 6).token_ids) == "ababab"
+    assert re.fullmatch("c+", TableTokenizer().decode(
+        engine.generate_ids([0, 1, 2], 5, constraint=Constraint.regex("c+")).token_ids))
+    with pytest.raises(ConstraintError, match="regex"):
+        _table_engine(constraint={"regex": "(ab"})  # the default is compiled at construction
+
+
+def test_guide_interface():
+    """The small interface another library would implement: masks, prefixes, rollback."""
+    tok = TableTokenizer()
+    guide = GuideCompiler(tok, 4, (tok.eos_token_id,)).guide(Constraint.regex("(a|bc)+"))
+    a, b, c, eos = 0, 1, 2, 3
+    assert guide.allowed().tolist() == [True, True, False, False]
+    assert guide.valid_prefix([b, c, a, b, b]) == 4
+    rows = guide.allowed_rows(3, [b, c])
+    assert rows.tolist() == [[True, True, False, False], [False, False, True, False], [True, True, False, True]]
+    assert guide.allowed().tolist() == [True, True, False, False]  # the walk was undone
+    assert guide.accept(a) and guide.accept(b) and not guide.finished
+    guide.rollback(1)
+    assert guide.allowed().tolist() == [True, True, False, True]  # after "a": EOS allowed
+    fixed = GuideCompiler(tok, 4, (eos,)).guide(Constraint.regex("ab"))
+    assert fixed.accept(a) and fixed.accept(b) and fixed.finished
