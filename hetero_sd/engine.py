@@ -248,7 +248,7 @@ class _Run:
         drafts = proposal.tokens[:k]
         probs = None if proposal.probs is None else proposal.probs[:len(drafts)]
         if self.constrainer is not None:
-            drafts, probs = self.constrainer.cut(drafts, probs)
+            drafts, probs = self.constrainer.cut(drafts, probs, k)
         return drafts, probs, seconds
 
     def _verify(self, drafts: list[int], draft_probs) -> VerifyResult:

@@ -24,6 +24,7 @@ class GenerationStats:
     mask_s: float = 0.0  # computing grammar masks (on a helper thread, overlapping the target)
     mask_wait_s: float = 0.0  # of which the engine waited for after the target's forward
     grammar_cut: int = 0  # drafts dropped because the grammar refused them
+    grammar_drafted: int = 0  # drafts the grammar forced (added after a drafter's proposal)
 
     @property
     def other_s(self) -> float:
@@ -73,7 +74,8 @@ class GenerationStats:
             line += f" | sampling {self.sampling}"
         if self.constraint:
             line += (f" | constraint {self.constraint}: masks {self.mask_s * 1e3:.0f} ms "
-                     f"({self.mask_wait_s * 1e3:.0f} ms waited), {self.grammar_cut} drafts cut")
+                     f"({self.mask_wait_s * 1e3:.0f} ms waited), {self.grammar_cut} drafts cut, "
+                     f"{self.grammar_drafted} forced drafts")
         if self.lossless != "exact":
             line += f" | lossless {self.lossless}"
         return line

@@ -12,6 +12,7 @@ behind the same small interface:
     valid_prefix(tokens) -> n  how many of tokens the grammar allows, in order
     rollback(n)                undo the last n accepts
     finished                   the language ended: nothing but EOS may follow
+    forced() -> tokens         what the grammar forces next (optional: [] is always right)
 
 Constraints are hetero_sd.constraint.spec.Constraint (not imported here:
 spec.py calls check_grammar). Compiled grammars are cached by (tokenizer, vocabulary, EOS ids, constraint):
@@ -154,6 +155,10 @@ class Guide:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (its only continuation, tokenized), maybe none."""
+        return [] if self._m.is_stopped() else [int(t) for t in self._m.compute_ff_tokens()]
 
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):

@@ -12,6 +12,8 @@ warps and samples. Speculation keeps exactly that:
   step rejects it with certainty and draws the correction from
   norm(max(0, p - q)), which is what keeps sampling exact; cutting it away
   instead would draw from p whenever q strayed, a different distribution.
+- A deterministic proposal that stops short of k (no n-gram match, or a
+  cut) is extended with the tokens the grammar forces next: free drafts.
 - Row i of the verify is masked with the state after drafts[:i]. The masks
   are computed on a helper thread while the target runs its forward
   (llguidance releases the GIL), so only what outlasts the forward is on the
@@ -41,13 +43,34 @@ class Constrainer:
         self._masks = None  # a Future of bool [rows, V] for the next scored rows
         stats.constraint = guide.constraint.describe()
 
-    def cut(self, drafts: list[int], probs):
-        """The drafts worth verifying (and their q rows)."""
+    def cut(self, drafts: list[int], probs, k: int):
+        """The drafts worth verifying (and their q rows), up to k: a deterministic
+        proposal that stops short is extended with the tokens the grammar forces
+        next (a schema's keys, the punctuation between them), which the target's
+        masked argmax almost always takes."""
         valid = self.guide.valid_prefix(drafts)
         keep = valid + (1 if probs is not None and valid < len(drafts) else 0)
         if keep < len(drafts):
             self.stats.grammar_cut += len(drafts) - keep
-        return drafts[:keep], None if probs is None else probs[:keep]
+        drafts, probs = drafts[:keep], None if probs is None else probs[:keep]
+        if probs is None and len(drafts) < k and not any(t in self.eos_ids for t in drafts):
+            drafts = drafts + self._forced(drafts, k - len(drafts))
+        return drafts, probs
+
+    def _forced(self, drafts: list[int], room: int) -> list[int]:
+        """Forced tokens after drafts (all allowed), at most `room`. A deterministic
+        drafter's q is one-hot whatever it proposes, so this keeps sampling exact."""
+        walked = 0
+        try:
+            for token in drafts:
+                if not self.guide.accept(token):
+                    raise GenerationError(f"internal: the grammar refused draft {token} it had allowed")
+                walked += 1
+            forced = self.guide.forced()[:room]
+        finally:
+            self.guide.rollback(walked)
+        self.stats.grammar_drafted += len(forced)
+        return forced
 
     def prepare(self, drafts: list[int]) -> None:
         """Start the masks of the len(drafts) + 1 rows the next verify scores."""

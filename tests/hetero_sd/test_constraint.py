@@ -9,12 +9,16 @@ import re
 import jsonschema
 import pytest
 
+from hetero_sd.backends.torch_backend import TorchBackend
 from hetero_sd.cli import main
 from hetero_sd.config import load_config
 from hetero_sd.constraint import Constraint
 from hetero_sd.constraint.guide import GuideCompiler
+from hetero_sd.drafting import NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import ConfigError, ConstraintError
+from hetero_sd.ir import load_model_ir
+from hetero_sd.ir.work import DraftResult
 from helpers.table_model import TableRunner, TableTokenizer
 
 # (constraint, a phrase the error must contain)
@@ -127,3 +131,33 @@ def test_guide_interface():
     assert guide.allowed().tolist() == [True, True, False, True]  # after "a": EOS allowed
     fixed = GuideCompiler(tok, 4, (eos,)).guide(Constraint.regex("ab"))
     assert fixed.accept(a) and fixed.accept(b) and fixed.finished
+
+
+class _Silent(NgramDrafter):
+    """Never proposes anything: every draft then comes from the grammar."""
+
+    name = "silent"
+
+    def draft(self, req):
+        return DraftResult(req.seq_id, [])
+
+
+def test_forced_tokens_become_drafts(tiny_model_dir):
+    """A schema forces its keys: with a drafter that proposes nothing, those are
+    drafted anyway, mostly accepted, and the output is unchanged."""
+    ir = load_model_ir(tiny_model_dir("llama"))
+    tok, target = ir.load_tokenizer(), TorchBackend().load(ir, "cpu", "fp32", 4 << 20)
+    schema = {"type": "object", "additionalProperties": False, "required": ["temperature", "description"],
+              "properties": {"temperature": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "description": {"enum": ["sunny", "overcast with rain"]}}}
+    engine = Engine(target, _Silent(), k=6, tokenizer=tok, eos_ids=(tok.eos_token_id,))
+    constraint = Constraint.json_schema(schema)
+    base = engine.generate_ids([5, 6, 7, 8], 60, target_only=True, constraint=constraint)
+    spec = engine.generate_ids([5, 6, 7, 8], 60, constraint=constraint)
+    assert spec.token_ids == base.token_ids and spec.stats.finish_reason == "grammar"
+    assert spec.stats.grammar_drafted == spec.stats.drafted > 0
+    assert spec.stats.accepted > spec.stats.drafted // 2
+    assert spec.stats.rounds < base.stats.rounds
+    tok4 = TableTokenizer()
+    guide = GuideCompiler(tok4, 4, (tok4.eos_token_id,)).guide(Constraint.regex("(a|bc)+"))
+    assert guide.forced() == [] and guide.accept(1) and guide.forced() == [2]

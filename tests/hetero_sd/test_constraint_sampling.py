@@ -107,7 +107,7 @@ def test_unmasked_q_is_detected(monkeypatch):
 
 def test_cutting_a_sampled_refused_draft_is_detected(monkeypatch):
     """Power check: the sampled draft the grammar refuses is cut away instead of rejected."""
-    def cut_at_first_refused(self, drafts, probs):
+    def cut_at_first_refused(self, drafts, probs, k):
         keep = self.guide.valid_prefix(drafts)
         return drafts[:keep], None if probs is None else probs[:keep]
 
