@@ -15,7 +15,7 @@ OVERRIDES = {"auto.yaml": {"auto.backends": ["torch"], "auto.quick": True}}
 def test_expected_examples_exist():
     assert {"cpu.yaml", "cpu-draft-model.yaml", "onnxruntime.yaml", "openvino.yaml", "mixed-cpu.yaml",
             "cuda-cpu.yaml", "ascend-cpu.yaml", "auto.yaml", "shm-async.yaml", "cascade.yaml",
-            "qwen-coder.yaml", "qwen-coder-mixed.yaml", "qwen-coder-worker.yaml"} <= set(ALL)
+            "qwen-coder.yaml", "qwen-coder-mixed.yaml", "qwen-coder-worker.yaml", "json.yaml"} <= set(ALL)
 
 
 @pytest.mark.parametrize("name", ALL)
