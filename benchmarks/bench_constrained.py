@@ -110,8 +110,8 @@ def record(name: str, rep: int, p: dict, tokens: list[int], text: str, wall: flo
          "tok_s": n / wall if wall > 0 else 0.0,
          "decode_tok_s": (n - 1) / (wall - prefill) if n > 1 and wall > prefill else None}
     if stats is not None:
-        r.update({k: getattr(stats, k) for k in ("drafted", "accepted", "rounds", "draft_s", "verify_s", "mask_s",
-                                                 "mask_wait_s", "grammar_cut")})
+        r.update({k: getattr(stats, k, 0) for k in ("drafted", "accepted", "rounds", "draft_s", "verify_s", "mask_s",
+                                                    "mask_wait_s", "grammar_cut", "grammar_drafted")})
     return r
 
 
@@ -160,7 +160,7 @@ def summarize(records: list[dict], names: list[str], greedy: dict[str, str], mod
                "ended": sum(r["finish"] in ("grammar", "eos") for r in rs)}
         if "rounds" in rs[0] and tot("drafted"):
             row.update(acceptance=tot("accepted") / tot("drafted"), accepted_per_round=tot("accepted") / tot("rounds"),
-                       grammar_cut=tot("grammar_cut"))
+                       grammar_cut=tot("grammar_cut"), grammar_drafted=tot("grammar_drafted"))
         if name.startswith("ours") and name.endswith(JSON):
             compute = tot("prefill_s") + tot("draft_s") + tot("verify_s")  # verify_s already holds the wait
             row.update(mask_ms_per_token=1e3 * tot("mask_s") / max(1, tot("new_tokens")),
@@ -195,30 +195,36 @@ def to_markdown(summary: dict, meta: dict) -> str:
              f"EOS or where the grammar ends; every configuration back to back per prompt, rotating order. "
              f"[json] = output held to the prompt's schema (ours: llguidance; GenAI {meta['genai'] or '-'}: "
              f"StructuredOutputConfig, exact hints, prompt lookup {meta['peer_spec']}).", "",
-             "| run | tok/s | decode tok/s | acceptance | accepted/round | mask ms/token | mask/compute | "
-             "wait/wall | valid (ours, heldout-style) | ended | = greedy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | tok/s | decode tok/s | acceptance | accepted/round | drafts cut/forced | mask ms/token | "
+             "mask/compute | wait/wall | valid (ours, heldout-style) | ended | = greedy |", "|---" * 12 + "|"]
     for name, r in summary["configs"].items():
         if not r["runs"]:
-            lines.append(f"| {name} | failed: {r['errors'][0][:120] if r['errors'] else 'no runs'} |" + " |" * 9)
+            lines.append(f"| {name} | failed: {r['errors'][0][:120] if r['errors'] else 'no runs'} |" + " |" * 10)
             continue
-        vs = " ".join(f"{a}/{b}" for a, b in r["valid_by_source"].values())
+        src = r["valid_by_source"]  # in the header's order: ours, heldout-style (then any other source)
+        order = [s for s in ("ours", "heldout-style") if s in src] + sorted(set(src) - {"ours", "heldout-style"})
+        vs = " ".join(f"{src[s][0]}/{src[s][1]}" for s in order)
         mask = [f(r.get("mask_ms_per_token"), ".3f"), f(r.get("mask_of_compute"), ".1%"), f(r.get("wait_of_wall"), ".2%")]
         eq = f"{r['equal_greedy']}/{r['compared']}" if "compared" in r else "-"
+        cut = f"{r['grammar_cut']}/{r['grammar_drafted']}" if name.endswith(JSON) and "grammar_cut" in r else "-"
         lines.append(f"| {name} | {f(r['tok_s'])} | {f(r['decode_tok_s'])} | {f(r.get('acceptance'), '.0%')} | "
-                     f"{f(r.get('accepted_per_round'), '.2f')} | {' | '.join(mask)} | {r['valid']}/{r['runs']} ({vs}) | "
+                     f"{f(r.get('accepted_per_round'), '.2f')} | {cut} | {' | '.join(mask)} | {r['valid']}/{r['runs']} ({vs}) | "
                      f"{r['ended']}/{r['runs']} | {eq} |" + (f" ({len(r['errors'])} failed)" if r["errors"] else ""))
     lines += ["", "| ratio (same prompt, same repetition) | tok/s | decode tok/s | pairs |", "|---|---|---|---|"]
     for name, r in summary["ratios"].items():
         lines.append(f"| {name} | {ci(r['tok_s'])} | {ci(r['decode_tok_s'])} | {r['pairs']} |")
     head = summary["ratios"].get(f"ours {meta['mode']}{JSON} / ours target-only{JSON}")
     if head:
-        met = "met" if head["tok_s"]["low"] >= GOAL else "not met" if head["tok_s"]["high"] < GOAL else "not shown"
+        r = head["tok_s"]
+        met = "met" if r["low"] >= GOAL else "not met" if r["high"] < GOAL else \
+            f"not shown (the estimate is {'above' if r['ratio'] >= GOAL else 'below'}, the interval spans it)"
         lines += ["", f"Goal: constrained speculative / constrained target-only >= {GOAL}x: {met} "
                   f"({ci(head['tok_s'])} tok/s)."]
     lines += ["", "tok/s = new tokens / wall of the call (prefill included), decode tok/s = (new - 1) / (wall - time "
               "to first token); geometric means over prompts and repetitions. Ratios: geometric mean of per-prompt "
               "ratios [bootstrap 95% interval]. acceptance = accepted / drafted drafts (GenAI's prompt lookup reports "
-              "none). mask ms/token = all grammar-mask time (llguidance, on a helper thread overlapping the target's "
+              "none); drafts cut/forced = drafts the grammar refused (dropped before the verify) / drafts it forced "
+              "(schema keys, punctuation appended to a short proposal). mask ms/token = all grammar-mask time (llguidance, on a helper thread overlapping the target's "
               "forward) / new tokens; mask/compute = that time / (prefill + draft + verify time), the share of the "
               "model work it would be if nothing overlapped; wait/wall = the part the engine actually waited for "
               "after the forward / the call's wall time. valid = json.loads and jsonschema.validate both pass (an "

@@ -54,7 +54,7 @@ def test_summary_counts_validity_equality_and_pairs_ratios():
     assert greedy == {"ours ngram [json]": "ours target-only [json]", "ours ngram": "ours target-only"}
     good, bad = '{"n": 1, "c": "a"}', '{"n": 1, "c": "a"'
     cost = dict(drafted=10, accepted=6, rounds=4, draft_s=0.01, verify_s=0.4, mask_s=0.05, mask_wait_s=0.01,
-                grammar_cut=2)
+                grammar_cut=2, grammar_drafted=3)
     records = []
     for rep, slow in ((0, 1.0), (1, 3.0)):  # the host slows down 3x between repetitions
         records += [_rec("ours target-only [json]", rep, "p", [1, 2, 3, 4], 1.0 * slow, good, **cost),
@@ -68,7 +68,7 @@ def test_summary_counts_validity_equality_and_pairs_ratios():
                                                                                      "ours": [2, 2]}
     assert (spec["equal_greedy"], spec["compared"]) == (2, 4)  # q's tokens differ from its greedy run
     assert spec["acceptance"] == pytest.approx(0.6) and spec["accepted_per_round"] == pytest.approx(1.5)
-    assert spec["grammar_cut"] == 8
+    assert spec["grammar_cut"] == 8 and spec["grammar_drafted"] == 12
     assert spec["mask_ms_per_token"] == pytest.approx(1e3 * 0.2 / 12)
     prefill = 0.1 * 0.5 * (1 + 1 + 3 + 3)
     assert spec["mask_of_compute"] == pytest.approx(0.2 / (prefill + 4 * 0.41))
@@ -79,9 +79,11 @@ def test_summary_counts_validity_equality_and_pairs_ratios():
     md = bench.to_markdown(s, {"model": "m", "target": "t", "drafter": "ngram", "mode": "ngram", "prompts": 2,
                                "ours": 1, "reps": 2, "max_new_tokens": 4, "genai": None, "peer_spec": "-",
                                "skipped": {"genai plain": "why"}})
-    assert "| ours ngram [json] | " in md and "| 2/4 (0/2 2/2) |" in md and "| 2/4 |" in md
+    assert "| ours ngram [json] | " in md and "| 2/4 (2/2 0/2) |" in md and "| 2/4 |" in md and "| 8/12 |" in md
     assert "2.00x [2.00, 2.00]" in md and ">= 1.5x: met" in md and "failed: GenerationError: boom" in md
     assert "- skipped genai plain: why" in md
+    table = [line for line in md.split("\n\n")[1].splitlines()]
+    assert len(table) == 2 + 4 and len({line.count("|") for line in table}) == 1  # failed rows keep the columns
 
 
 def test_the_script_on_a_tiny_model(tiny_model_dir, tiny_gguf, tmp_path, capsys):
