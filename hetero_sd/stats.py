@@ -21,8 +21,8 @@ class GenerationStats:
     events: list[str] = field(default_factory=list)  # device failures and what took over
     sampling: str = "greedy"  # or "T=.. top_k=.. top_p=.. seed=.." (exact = distribution-preserving)
     constraint: str = ""  # the grammar output was held to ("" = none); finish_reason "grammar" = it ended
-    mask_s: float = 0.0  # computing grammar masks (on a helper thread, overlapping the target)
-    mask_wait_s: float = 0.0  # of which the engine waited for after the target's forward
+    mask_s: float = 0.0  # all grammar work (masks on a helper thread overlap the target's forward)
+    mask_wait_s: float = 0.0  # what of it sat on the critical path (inside verify_s and prefill_s)
     grammar_cut: int = 0  # drafts dropped because the grammar refused them
     grammar_drafted: int = 0  # drafts the grammar forced (added after a drafter's proposal)
 
@@ -73,8 +73,8 @@ class GenerationStats:
         if self.sampling != "greedy":
             line += f" | sampling {self.sampling}"
         if self.constraint:
-            line += (f" | constraint {self.constraint}: masks {self.mask_s * 1e3:.0f} ms "
-                     f"({self.mask_wait_s * 1e3:.0f} ms waited), {self.grammar_cut} drafts cut, "
+            line += (f" | constraint {self.constraint}: grammar {self.mask_s * 1e3:.0f} ms "
+                     f"({self.mask_wait_s * 1e3:.0f} ms on the critical path), {self.grammar_cut} drafts cut, "
                      f"{self.grammar_drafted} forced drafts")
         if self.lossless != "exact":
             line += f" | lossless {self.lossless}"

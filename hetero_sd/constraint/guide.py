@@ -85,8 +85,11 @@ class GuideCompiler:
     (tokens as bytes, eos_token_id, bos_token_id, special_token_ids, __call__)."""
 
     def __init__(self, tokenizer, vocab: int, eos_ids: tuple[int, ...] = ()):
-        self.vocab = vocab
-        self._tokenizer = _ll_tokenizer(tokenizer, vocab, tuple(sorted(eos_ids)))
+        # The grammar sees every id the tokenizer has; a model whose output layer is
+        # narrower (a tokenizer with added tokens past it) scores only the first
+        # `vocab`, and masks are cut to the logits' width where they are applied.
+        self.vocab = max(vocab, _tokenizer_size(tokenizer))
+        self._tokenizer = _ll_tokenizer(tokenizer, self.vocab, tuple(sorted(eos_ids)))
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
 
     def guide(self, constraint) -> "Guide":
@@ -106,6 +109,12 @@ class GuideCompiler:
 
 
 _TOKENIZERS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def _tokenizer_size(tokenizer) -> int:
+    """Ids the tokenizer can produce: added tokens included (len() of a Hugging Face tokenizer)."""
+    tokens = getattr(tokenizer, "tokens", None)
+    return len(tokens) if tokens is not None else len(tokenizer)
 
 
 def _ll_tokenizer(tokenizer, vocab: int, eos_ids: tuple[int, ...]):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -36,26 +37,53 @@ _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsd-grammar")
 
 
 class Constrainer:
-    """The engine's side of one constrained request."""
+    """The engine's side of one constrained request.
+
+    Costs: stats.mask_s is all grammar work (masks on the helper thread, and the
+    draft checks, forced drafts, commits and mask application on the engine's);
+    stats.mask_wait_s is what of it sat on the critical path (the engine's own
+    grammar work, plus waiting for masks that outlasted the forward)."""
 
     def __init__(self, guide: Guide, eos_ids: set[int], stats):
         self.guide, self.eos_ids, self.stats = guide, eos_ids, stats
         self._masks = None  # a Future of bool [rows, V] for the next scored rows
+        self._walk: tuple[tuple, list[int]] = ((), [])  # (drafts cut() returned, how far masks can walk)
         stats.constraint = guide.constraint.describe()
+
+    @contextmanager
+    def _engine_side(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t0
+            self.stats.mask_s += spent
+            self.stats.mask_wait_s += spent
 
     def cut(self, drafts: list[int], probs, k: int):
         """The drafts worth verifying (and their q rows), up to k: a deterministic
         proposal that stops short is extended with the tokens the grammar forces
         next (a schema's keys, the punctuation between them), which the target's
         masked argmax almost always takes."""
-        valid = self.guide.valid_prefix(drafts)
-        keep = valid + (1 if probs is not None and valid < len(drafts) else 0)
-        if keep < len(drafts):
-            self.stats.grammar_cut += len(drafts) - keep
-        drafts, probs = drafts[:keep], None if probs is None else probs[:keep]
-        if probs is None and len(drafts) < k and not any(t in self.eos_ids for t in drafts):
-            drafts = drafts + self._forced(drafts, k - len(drafts))
+        with self._engine_side():
+            valid = self.guide.valid_prefix(drafts)
+            keep = valid + (1 if probs is not None and valid < len(drafts) else 0)
+            if keep < len(drafts):
+                self.stats.grammar_cut += len(drafts) - keep
+            drafts, probs = drafts[:keep], None if probs is None else probs[:keep]
+            walk = self._walkable(drafts, valid)
+            if probs is None and len(walk) == len(drafts) < k:
+                forced = self._forced(drafts, k - len(drafts))
+                drafts, walk = drafts + forced, walk + forced
+            self._walk = (tuple(drafts), walk)
         return drafts, probs
+
+    def _walkable(self, drafts: list[int], valid: int) -> list[int]:
+        """How far the grammar state can walk the drafts: not past a refused one (the
+        row after it is never used: that draft is rejected), nor past an EOS (the
+        output ends there)."""
+        walk = drafts[:valid]
+        return walk[:next((i for i, t in enumerate(walk) if t in self.eos_ids), len(walk))]
 
     def _forced(self, drafts: list[int], room: int) -> list[int]:
         """Forced tokens after drafts (all allowed), at most `room`. A deterministic
@@ -74,10 +102,10 @@ class Constrainer:
 
     def prepare(self, drafts: list[int]) -> None:
         """Start the masks of the len(drafts) + 1 rows the next verify scores."""
-        # The grammar state cannot advance past a refused draft (the row after it
-        # is never used: that draft is rejected) or an EOS (the output ends there).
-        walk = drafts[:self.guide.valid_prefix(drafts)]
-        walk = walk[:next((i for i, t in enumerate(walk) if t in self.eos_ids), len(walk))]
+        cut_drafts, walk = self._walk
+        if tuple(drafts) != cut_drafts:  # not from cut() (the prefill's empty window)
+            with self._engine_side():
+                walk = self._walkable(drafts, self.guide.valid_prefix(drafts))
         self._masks = _POOL.submit(self._rows, len(drafts) + 1, walk)
 
     def _rows(self, n: int, walk: list[int]) -> np.ndarray:
@@ -91,15 +119,17 @@ class Constrainer:
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """The target's logits [n, V] with the prepared masks applied."""
         t0 = time.perf_counter()
-        masks, self._masks = self._masks.result(), None
+        masks, self._masks, self._walk = self._masks.result(), None, ((), [])
         self.stats.mask_wait_s += time.perf_counter() - t0
-        return mask_logits(logits, masks[-len(logits):])
+        with self._engine_side():
+            return mask_logits(logits, masks[-len(logits):])
 
     def commit(self, token: int) -> bool:
         """Advance the grammar by a committed token; True when its language ended."""
-        if not self.guide.accept(token):
-            raise GenerationError(f"internal: the grammar refused committed token {token}")
-        return self.guide.finished
+        with self._engine_side():
+            if not self.guide.accept(token):
+                raise GenerationError(f"internal: the grammar refused committed token {token}")
+            return self.guide.finished
 
     def close(self) -> None:
         if self._masks is not None:  # an error between prepare and apply: let the helper finish

@@ -24,11 +24,13 @@ class NgramDrafter(Drafter):
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
+        self._guide = guide
 
     def reset(self) -> None:
         self.context: list[int] = []
         self._indexed = 0  # positions e < _indexed have their preceding n-grams indexed
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._guide = None
 
     def _update_index(self) -> None:
         ctx = self.context
@@ -41,17 +43,28 @@ class NgramDrafter(Drafter):
 
     def draft(self, req: DraftRequest) -> DraftResult:
         if req.base_len < self._indexed:  # rolled back past indexed tokens: rebuild
-            context = apply_delta(self.context, req)
+            context, guide = apply_delta(self.context, req), self._guide
             self.reset()
-            self.context = context
+            self.context, self._guide = context, guide
         else:
             apply_delta(self.context, req)
         self._update_index()
-        ctx = self.context
+        ctx, best, best_valid = self.context, [], -1
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ctx) < n:
                 continue
             e = self._index[n].get(tuple(ctx[-n:]))
-            if e is not None:
-                return DraftResult(req.seq_id, ctx[e:e + req.k])
-        return DraftResult(req.seq_id, [])
+            if e is None:
+                continue
+            proposal = ctx[e:e + req.k]
+            if self._guide is None:  # the longest match wins
+                return DraftResult(req.seq_id, proposal)
+            # Under a grammar: the match whose continuation the grammar allows
+            # furthest (longer n first on a tie). Still a function of the context
+            # alone, so its q stays one-hot and sampling exact.
+            valid = self._guide.valid_prefix(proposal)
+            if valid > best_valid:
+                best, best_valid = proposal, valid
+            if valid == len(proposal):
+                break
+        return DraftResult(req.seq_id, best)

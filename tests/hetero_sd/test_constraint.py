@@ -161,3 +161,19 @@ def test_forced_tokens_become_drafts(tiny_model_dir):
     tok4 = TableTokenizer()
     guide = GuideCompiler(tok4, 4, (tok4.eos_token_id,)).guide(Constraint.regex("(a|bc)+"))
     assert guide.forced() == [] and guide.accept(1) and guide.forced() == [2]
+
+
+def test_tokenizer_wider_than_the_model(tiny_gguf):
+    """A GGUF's tokenizer can hold an added token past the model's output layer
+    (here <|endoftext|> at id 384 of a 384-row head): the grammar sees every id,
+    the masks are cut to the logits the model has."""
+    ir = load_model_ir(tiny_gguf("llama", "Q8_0"))
+    tok, target = ir.load_tokenizer(), TorchBackend().load(ir, "cpu", "fp32", 4 << 20)
+    assert len(tok) > target.vocab_size  # the case under test
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["k"], "additionalProperties": False}
+    engine = Engine(target, NgramDrafter(1, 3), k=4, tokenizer=tok, eos_ids=tuple(ir.config.eos_token_ids))
+    base = engine.generate_ids([5, 6, 7], 30, target_only=True, constraint=Constraint.json_schema(schema))
+    spec = engine.generate_ids([5, 6, 7], 30, constraint=Constraint.json_schema(schema))
+    assert spec.token_ids == base.token_ids and base.stats.finish_reason == "grammar"
+    jsonschema.validate(json.loads(base.text), schema)
