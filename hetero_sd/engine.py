@@ -166,7 +166,7 @@ class Engine:
         run = _Run(self._target, self._drafter if speculate else None, self.policy,
                    None if params.greedy else Sampler(params), stopper, stats, list(prompt_ids))
         if guide is not None:
-            run.constrain(guide, self.eos_ids)
+            run.constrain(guide, self.eos_ids, self._target.vocab_size)
         try:
             run.run()
         except GenerationError as exc:
@@ -196,10 +196,10 @@ class _Run:
         self.pos = self.synced = 0  # positions in the target's cache; tokens the drafter was told
         self.constrainer = None  # hetero_sd.constraint.rounds.Constrainer when the output has a grammar
 
-    def constrain(self, guide, eos_ids: set[int]) -> None:
+    def constrain(self, guide, eos_ids: set[int], model_vocab: int) -> None:
         from hetero_sd.constraint.rounds import Constrainer
 
-        self.constrainer = Constrainer(guide, eos_ids, self.stats)
+        self.constrainer = Constrainer(guide, eos_ids, self.stats, model_vocab)
 
     def run(self) -> None:
         """Prefill, then rounds of draft, verify, accept, commit (rollback is in _verify)."""
@@ -286,8 +286,10 @@ class _Run:
         con = self.constrainer
         for token in tokens:
             if con is not None and token not in self.stopper.eos_ids and con.commit(token):
-                self.stopper.feed(token)
-                self.stopper.reason = "grammar"  # the language ended: stop where target-only would
+                # The language ended: stop where target-only would. A stop string this
+                # token completes keeps its reason (the text is cut there).
+                if not self.stopper.feed(token) or self.stopper.reason == "length":
+                    self.stopper.reason = "grammar"
                 return True
             if self.stopper.feed(token):
                 return True

@@ -229,12 +229,12 @@ class FailoverDrafter(Drafter):
             self._start(self.current)
 
     def _begin(self, drafter: Drafter) -> None:
-        # a guide only when the request has a grammar: drafters written before
-        # guides existed (begin(capacity, sampler)) keep working without one
-        if self._guide is None:
-            drafter.begin(self._capacity, self._sampler)
-        else:
+        # Drafters written before guides existed (begin(capacity, sampler)) get
+        # none: the engine cuts the drafts the grammar refuses.
+        if self._guide is not None and _takes_guide(drafter):
             drafter.begin(self._capacity, self._sampler, self._guide)
+        else:
+            drafter.begin(self._capacity, self._sampler)
 
     def _start(self, drafter: Drafter) -> None:
         try:
@@ -314,3 +314,14 @@ class FailoverDrafter(Drafter):
     def close(self) -> None:
         if self.current is not None:
             self.current.close()
+
+
+def _takes_guide(drafter) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(drafter.begin).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C method: assume the current contract
+        return True
+    return any(p.name == "guide" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or \
+        sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3

@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hetero_sd.ir.errors import ConstraintError
+from hetero_sd.ir.errors import ConstraintError, GenerationError
 
 _CACHE_SIZE = 64  # compiled matchers kept per tokenizer
 # Whitespace between JSON tokens, as llama.cpp's schema grammars allow it: one space,
@@ -152,7 +152,7 @@ class Guide:
                 self._m.unsafe_compute_mask_ptr(bits[i].ctypes.data, bits[i].nbytes)
                 if i + 1 < n:
                     if not self._m.consume_token(walk[i]):
-                        raise ConstraintError(f"internal: the grammar refused token {walk[i]} it had allowed")
+                        raise GenerationError(f"internal: the grammar refused token {walk[i]} it had allowed")
                     done += 1
         finally:
             if done:
@@ -160,7 +160,11 @@ class Guide:
         return np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :self.vocab].view(bool)
 
     def accept(self, token: int) -> bool:
-        return bool(self._m.consume_token(int(token)))
+        """Advance by one token; False (state unchanged) when the grammar refuses it.
+        Checked first: llguidance's matcher never leaves the error state a refused
+        token puts it in, and this guide is shared with the request's drafter."""
+        token = int(token)
+        return self._m.validate_tokens([token]) == 1 and bool(self._m.consume_token(token))
 
     def valid_prefix(self, tokens: list[int]) -> int:
         return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
@@ -171,7 +175,7 @@ class Guide:
 
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
-            raise ConstraintError(f"internal: the grammar could not roll back {n} tokens")
+            raise GenerationError(f"internal: the grammar could not roll back {n} tokens")
 
     @property
     def finished(self) -> bool:
@@ -183,5 +187,5 @@ def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     `allowed` be wider: a restricted draft head scores only the first ids)."""
     allowed = allowed[..., :logits.shape[-1]]
     if not allowed.any(axis=-1).all():
-        raise ConstraintError("the constraint allows no token this model can produce here")
+        raise GenerationError("the constraint allows no token this model can produce here")
     return np.where(allowed, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)

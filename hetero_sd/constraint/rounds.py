@@ -44,8 +44,9 @@ class Constrainer:
     stats.mask_wait_s is what of it sat on the critical path (the engine's own
     grammar work, plus waiting for masks that outlasted the forward)."""
 
-    def __init__(self, guide: Guide, eos_ids: set[int], stats):
+    def __init__(self, guide: Guide, eos_ids: set[int], stats, model_vocab: int):
         self.guide, self.eos_ids, self.stats = guide, eos_ids, stats
+        self.model_vocab = model_vocab  # ids past the target's head (a wider tokenizer's) are never drafted
         self._masks = None  # a Future of bool [rows, V] for the next scored rows
         self._walk: tuple[tuple, list[int]] = ((), [])  # (drafts cut() returned, how far masks can walk)
         stats.constraint = guide.constraint.describe()
@@ -74,6 +75,8 @@ class Constrainer:
             walk = self._walkable(drafts, valid)
             if probs is None and len(walk) == len(drafts) < k:
                 forced = self._forced(drafts, k - len(drafts))
+                forced = forced[:next((i for i, t in enumerate(forced) if t >= self.model_vocab), len(forced))]
+                self.stats.grammar_drafted += len(forced)
                 drafts, walk = drafts + forced, walk + forced
             self._walk = (tuple(drafts), walk)
         return drafts, probs
@@ -97,7 +100,6 @@ class Constrainer:
             forced = self.guide.forced()[:room]
         finally:
             self.guide.rollback(walked)
-        self.stats.grammar_drafted += len(forced)
         return forced
 
     def prepare(self, drafts: list[int]) -> None:

@@ -61,6 +61,8 @@ class ModelDrafter(Drafter):
                 if token is None:
                     break
                 if q is not None:
+                    if not np.isfinite(q).all():  # NaN logits: q would bias the rejection step
+                        raise FloatingPointError(f"{self.name}: the draft model's distribution is not finite")
                     # a restricted head proposes only ids < its width: q is 0 beyond
                     # it, which the target's rejection rule handles like any q
                     probs.append(q if len(q) == self.target_vocab else np.pad(q, (0, self.target_vocab - len(q))))

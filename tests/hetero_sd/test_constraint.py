@@ -177,3 +177,87 @@ def test_tokenizer_wider_than_the_model(tiny_gguf):
     spec = engine.generate_ids([5, 6, 7], 30, constraint=Constraint.json_schema(schema))
     assert spec.token_ids == base.token_ids and base.stats.finish_reason == "grammar"
     jsonschema.validate(json.loads(base.text), schema)
+
+
+def test_a_refused_token_leaves_the_guide_intact():
+    """The guide is shared with the drafter: a refused accept must not poison it
+    (llguidance's matcher never leaves the error state a refused token causes)."""
+    tok = TableTokenizer()
+    guide = GuideCompiler(tok, 4, (tok.eos_token_id,)).guide(Constraint.regex("(bc)+a"))
+    before = guide.allowed().tolist()
+    assert not guide.accept(tok.eos_token_id) and not guide.accept(2)
+    assert guide.allowed().tolist() == before and guide.accept(1) and guide.accept(2)
+
+
+class _Clumsy(NgramDrafter):
+    """Tries a token the grammar refuses on the shared guide, then fails."""
+
+    name = "clumsy"
+
+    def begin(self, capacity, sampler=None, guide=None):
+        super().begin(capacity, sampler, guide)
+        self.guide = guide
+
+    def draft(self, req):
+        assert not self.guide.accept(3)  # EOS where the grammar does not accept
+        raise RuntimeError("a drafter bug")
+
+
+def test_a_failing_drafter_costs_no_output():
+    tok, constraint = TableTokenizer(), Constraint.regex("(bc)+a")
+    engine = Engine(TableRunner(4, seed=0), _Clumsy(), k=3, tokenizer=tok, eos_ids=(3,))
+    spec = engine.generate_ids([0, 1, 2], 12, constraint=constraint)
+    base = engine.generate_ids([0, 1, 2], 12, constraint=constraint, target_only=True)
+    assert spec.token_ids == base.token_ids and re.fullmatch("(bc)+a", tok.decode(spec.token_ids))
+    assert any("a drafter bug" in e for e in spec.stats.events)
+
+
+class _Legacy(NgramDrafter):
+    name = "legacy"
+
+    def begin(self, capacity, sampler=None):  # the contract before guides existed
+        super().begin(capacity, sampler)
+
+
+def test_a_drafter_without_a_guide_parameter_keeps_working():
+    tok = TableTokenizer()
+    engine = Engine(TableRunner(4, seed=0), _Legacy(1, 2), k=3, tokenizer=tok, eos_ids=(3,))
+    res = engine.generate_ids([0, 1, 0, 1, 0], 12, constraint=Constraint.regex("(ab|a)+"))
+    assert res.stats.events == [] and res.stats.drafted > 0 and engine.drafter.name == "legacy"
+
+
+def test_a_stop_string_the_grammars_last_token_completes():
+    tok = TableTokenizer()
+    engine = Engine(TableRunner(4, seed=0), NgramDrafter(1, 2), k=3, tokenizer=tok, eos_ids=(3,), stop=("bc",))
+    for target_only in (True, False):
+        res = engine.generate_ids([0, 1, 2], 8, target_only=target_only, constraint=Constraint.regex("abc"))
+        assert (res.text, res.stats.finish_reason) == ("a", "stop")  # cut at the stop string, as without a grammar
+        for budget, reason in ((2, "length"), (3, "grammar")):  # the language's end wins over the budget
+            res = engine.generate_ids([0, 1, 2], budget, target_only=target_only, constraint=Constraint.regex("abc"),
+                                      stop=[])
+            assert (res.text, res.stats.finish_reason) == ("abc"[:budget], reason)
+
+
+def test_forced_drafts_stop_at_the_models_head():
+    """A wider tokenizer's ids (added tokens past the model's head) are never drafted."""
+    from hetero_sd.constraint.rounds import Constrainer
+    from hetero_sd.stats import GenerationStats
+
+    class Forcing:  # forces an id the model has, then one it has not
+        constraint = Constraint.regex("x")
+
+        def valid_prefix(self, tokens):
+            return len(tokens)
+
+        def accept(self, token):
+            return True
+
+        def rollback(self, n):
+            pass
+
+        def forced(self):
+            return [2, 4, 1]
+
+    con = Constrainer(Forcing(), {3}, GenerationStats("ngram"), model_vocab=4)
+    assert con.cut([], None, 5) == ([2], None)
+    assert con.cut([0], None, 5) == ([0, 2], None)

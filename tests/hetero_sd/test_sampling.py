@@ -177,3 +177,22 @@ def test_real_model_sampling(tiny_model_dir):
         drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
     assert 0 < accepted < drafted
     assert chi_square_p(counts, expected, n) > ALPHA
+
+
+class _NaNRunner(TableRunner):
+    def forward(self, seq_id, tokens, start, num_logits):
+        return np.full_like(super().forward(seq_id, tokens, start, num_logits), np.nan)
+
+
+def test_a_draft_model_with_nan_logits_is_dropped_not_trusted():
+    """A non-finite q would bias the rejection step: the drafter fails instead, the
+    target carries on alone, and the seeded output is the target-only one."""
+    target = TableRunner(VOCAB, seed=0)
+    engine = Engine(target, ModelDrafter(_NaNRunner(VOCAB, seed=0), VOCAB), k=3)
+    for seed in range(5):
+        params = SamplingParams(1.0, seed=seed)
+        spec = engine.generate_ids(PROMPT, 12, sampling=params)
+        assert any("not finite" in e for e in spec.stats.events)
+        assert spec.token_ids == engine.generate_ids(PROMPT, 12, sampling=params, target_only=True).token_ids
+        engine = Engine(target, ModelDrafter(_NaNRunner(VOCAB, seed=0), VOCAB), k=3)  # the failed one is gone
+
