@@ -12,7 +12,7 @@ behind the same small interface:
     valid_prefix(tokens) -> n  how many of tokens the grammar allows, in order
     rollback(n)                undo the last n accepts
     finished                   the language ended: nothing but EOS may follow
-    forced() -> tokens         what the grammar forces next (optional: [] is always right)
+    forced(after) -> tokens    what the grammar forces next (optional: [] is always right)
 
 Constraints are hetero_sd.constraint.spec.Constraint (not imported here:
 spec.py calls check_grammar). Compiled grammars are cached by (tokenizer, vocabulary, EOS ids, constraint):
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -146,18 +147,27 @@ class Guide:
     def allowed_rows(self, n: int, walk: list[int] = ()) -> np.ndarray:
         """bool [n, V]: row i is the mask after accepting walk[:i] (then undone)."""
         bits = np.empty((n, self._words), dtype=np.int32)
-        done = 0
-        try:
+        with self.walking() as step:
             for i in range(n):
                 self._m.unsafe_compute_mask_ptr(bits[i].ctypes.data, bits[i].nbytes)
                 if i + 1 < n:
-                    if not self._m.consume_token(walk[i]):
-                        raise GenerationError(f"internal: the grammar refused token {walk[i]} it had allowed")
-                    done += 1
-        finally:
-            if done:
-                self._m.rollback(done)
+                    step(walk[i])
         return np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :self.vocab].view(bool)
+
+    @contextmanager
+    def walking(self):
+        """step(token) advances over tokens the caller knows are allowed; all undone on exit."""
+        done = 0
+
+        def step(token: int) -> None:
+            nonlocal done
+            if not self.accept(token):
+                raise GenerationError(f"internal: the grammar refused token {token} it had allowed")
+            done += 1
+        try:
+            yield step
+        finally:
+            self.rollback(done)
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar refuses it.
@@ -169,9 +179,13 @@ class Guide:
     def valid_prefix(self, tokens: list[int]) -> int:
         return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces next (its only continuation, tokenized), maybe none."""
-        return [] if self._m.is_stopped() else [int(t) for t in self._m.compute_ff_tokens()]
+    def forced(self, after: list[int] = ()) -> list[int]:
+        """The tokens the grammar forces next (its only continuation, tokenized), maybe
+        none; `after`: past these allowed tokens (the state is left as it was)."""
+        with self.walking() as step:
+            for token in after:
+                step(token)
+            return [] if self._m.is_stopped() else [int(t) for t in self._m.compute_ff_tokens()]
 
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):

@@ -74,7 +74,8 @@ class Constrainer:
             drafts, probs = drafts[:keep], None if probs is None else probs[:keep]
             walk = self._walkable(drafts, valid)
             if probs is None and len(walk) == len(drafts) < k:
-                forced = self._forced(drafts, k - len(drafts))
+                # a deterministic drafter's q is one-hot whatever it proposes: still exact
+                forced = self.guide.forced(after=drafts)[:k - len(drafts)]
                 forced = forced[:next((i for i, t in enumerate(forced) if t >= self.model_vocab), len(forced))]
                 self.stats.grammar_drafted += len(forced)
                 drafts, walk = drafts + forced, walk + forced
@@ -87,20 +88,6 @@ class Constrainer:
         output ends there)."""
         walk = drafts[:valid]
         return walk[:next((i for i, t in enumerate(walk) if t in self.eos_ids), len(walk))]
-
-    def _forced(self, drafts: list[int], room: int) -> list[int]:
-        """Forced tokens after drafts (all allowed), at most `room`. A deterministic
-        drafter's q is one-hot whatever it proposes, so this keeps sampling exact."""
-        walked = 0
-        try:
-            for token in drafts:
-                if not self.guide.accept(token):
-                    raise GenerationError(f"internal: the grammar refused draft {token} it had allowed")
-                walked += 1
-            forced = self.guide.forced()[:room]
-        finally:
-            self.guide.rollback(walked)
-        return forced
 
     def prepare(self, drafts: list[int]) -> None:
         """Start the masks of the len(drafts) + 1 rows the next verify scores."""

@@ -10,6 +10,8 @@ longest common prefix of what is cached and what is committed.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from hetero_sd.backends.base import Runner
@@ -54,8 +56,9 @@ class ModelDrafter(Drafter):
         apply_delta(self.context, req)
         if self._seq is None:
             raise RuntimeError("ModelDrafter.begin must be called before draft")
-        feed, out, probs, walked = self._sync(), [], [], 0
-        try:
+        feed, out, probs = self._sync(), [], []
+        # The guide is the engine's: the walk over the drafts is undone on the way out.
+        with self._guide.walking() if self._guide is not None else nullcontext() as step:
             for _ in range(req.k):
                 token, q = self._next(feed)
                 if token is None:
@@ -69,15 +72,10 @@ class ModelDrafter(Drafter):
                 self._cached.extend(feed)
                 out.append(token)
                 feed = [token]
-                if self._guide is not None:
-                    if not self._guide.accept(token):
-                        raise RuntimeError(f"the grammar refused draft {token} it had allowed")
-                    walked += 1
+                if step is not None:
+                    step(token)
                     if self._guide.finished:  # the language ended: only EOS could follow
                         break
-        finally:
-            if walked:
-                self._guide.rollback(walked)  # the guide is the engine's: leave it at the committed state
         return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
 
     def _next(self, feed: list[int]):

@@ -255,7 +255,7 @@ def test_forced_drafts_stop_at_the_models_head():
         def rollback(self, n):
             pass
 
-        def forced(self):
+        def forced(self, after=()):
             return [2, 4, 1]
 
     con = Constrainer(Forcing(), {3}, GenerationStats("ngram"), model_vocab=4)
