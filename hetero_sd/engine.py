@@ -26,7 +26,7 @@ from hetero_sd.constraint import Constraint
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import Fallback, FailoverDrafter, FailoverRunner, NoFallback, Replanner
-from hetero_sd.ir.work import DraftRequest, VerifyRequest, VerifyResult
+from hetero_sd.ir.work import DraftRequest, VerifyResult
 from hetero_sd.sampling import Sampler, SamplingParams, accept_greedy
 from hetero_sd.scheduler import FixedDraftLength
 from hetero_sd.stats import GenerationStats
@@ -180,6 +180,18 @@ class Engine:
         return run.close()
 
 
+@dataclass
+class _Round:
+    """One planned round: the rows to score from position `start` and the drafts among them."""
+    start: int
+    tokens: list[int]  # VerifyRequest.tokens: the last committed token + the drafts
+    drafts: list[int]
+    draft_probs: object
+    draft_s: float | None
+    speculating: bool
+    t0: float
+
+
 class _Run:
     """One request: the committed context, the target's sequence and position,
     and how much of the context the drafter has been told."""
@@ -203,6 +215,17 @@ class _Run:
 
     def run(self) -> None:
         """Prefill, then rounds of draft, verify, accept, commit (rollback is in _verify)."""
+        if self.start():
+            return
+        while True:
+            planned = self.plan()
+            if planned is None:
+                return
+            if self.finish(planned, self._score(planned.tokens, planned.start, len(planned.tokens))):
+                return
+
+    def start(self) -> bool:
+        """Begin the drafter and prefill the prompt; True when generation is already over."""
         con = self.constrainer
         if self.drafter is not None:
             self.drafter.begin(self.capacity, self.sampler, None if con is None else con.guide)
@@ -211,30 +234,47 @@ class _Run:
         first = self._score(self.prompt, 0, 1)[0]
         self.pos = len(self.prompt)
         self.stats.prefill_s = time.perf_counter() - self.t_start
-        if self._commit([first if self.sampler is None else self.sampler.draw_target(first)]):
-            return
-        while self.pos < self.capacity:  # room to score another position
-            speculating = self.drafter is not None and self.drafter.active
-            # The bonus token is free: with r tokens left, r - 1 drafts suffice.
-            k = min(self.policy.next_k(self.stopper.max_new_tokens - len(self.stopper.tokens) - 1),
-                    self.capacity - self.pos - 1) if speculating else 0
-            drafts, draft_probs, draft_s = self._draft(k) if k > 0 else ([], None, None)
-            t0 = time.perf_counter()
-            result = self._verify(drafts, draft_probs)
-            self._account(speculating, len(drafts), result.accepted, draft_s, time.perf_counter() - t0)
-            if self._commit(result.tokens):
-                return
-        self.stopper.reason = "context"
+        return self._commit([first if self.sampler is None else self.sampler.draw_target(first)])
+
+    def plan(self) -> "_Round | None":
+        """Draft for the next round: the rows the target must score (the last
+        committed token plus the drafts). None when the context is full."""
+        if self.pos >= self.capacity:  # no room to score another position
+            self.stopper.reason = "context"
+            return None
+        speculating = self.drafter is not None and self.drafter.active
+        # The bonus token is free: with r tokens left, r - 1 drafts suffice.
+        k = min(self.policy.next_k(self.stopper.max_new_tokens - len(self.stopper.tokens) - 1),
+                self.capacity - self.pos - 1) if speculating else 0
+        drafts, draft_probs, draft_s = self._draft(k) if k > 0 else ([], None, None)
+        if self.constrainer is not None:
+            self.constrainer.prepare(drafts)
+        return _Round(self.pos, [self.context[-1]] + drafts, drafts, draft_probs, draft_s, speculating,
+                      time.perf_counter())
+
+    def finish(self, rnd: "_Round", scored) -> bool:
+        """Accept against the target's scores for the round's rows (greedy ids or
+        distributions, as _score/score_logits give them) and commit; True when over."""
+        result = self._verify(rnd.drafts, rnd.draft_probs, scored)
+        self._account(rnd.speculating, len(rnd.drafts), result.accepted, rnd.draft_s,
+                      time.perf_counter() - rnd.t0)
+        return self._commit(result.tokens)
+
+    def score_logits(self, logits):
+        """What _score returns, from the target's logits for this request's rows
+        (a batched forward's share)."""
+        if self.constrainer is not None:
+            logits = self.constrainer.apply(logits)
+        if self.sampler is None:
+            return [int(i) for i in logits.argmax(-1)]
+        return self.sampler.probs(logits)
 
     def _score(self, tokens: list[int], start: int, n: int):
         """The target's next token after each of the last n tokens (greedy ids,
         or float64 distributions when sampling)."""
-        if self.constrainer is not None:  # the masks prepared for these rows
-            logits = self.constrainer.apply(self.target.forward(self.seq, tokens, start, n))
-            return [int(i) for i in logits.argmax(-1)] if self.sampler is None else self.sampler.probs(logits)
-        if self.sampler is None:
+        if self.constrainer is None and self.sampler is None:
             return self.target.greedy(self.seq, tokens, start, n)
-        return self.sampler.probs(self.target.forward(self.seq, tokens, start, n))
+        return self.score_logits(self.target.forward(self.seq, tokens, start, n))
 
     def _draft(self, k: int):
         """(drafts, their distributions or None, seconds)."""
@@ -251,17 +291,13 @@ class _Run:
             drafts, probs = self.constrainer.cut(drafts, probs, k)
         return drafts, probs, seconds
 
-    def _verify(self, drafts: list[int], draft_probs) -> VerifyResult:
-        req = VerifyRequest(self.seq, self.pos, [self.context[-1]] + drafts)
-        if self.constrainer is not None:
-            self.constrainer.prepare(drafts)
-        scored = self._score(req.tokens, req.start, len(req.tokens))
+    def _verify(self, drafts: list[int], draft_probs, scored) -> VerifyResult:
         if self.sampler is None:
             accepted, tokens = accept_greedy(drafts, scored)
         else:
             accepted, tokens = self.sampler.accept(drafts, scored, draft_probs)
         self.target.truncate(self.seq, self.pos + accepted + 1)  # rollback: a length change
-        return VerifyResult(req.seq_id, accepted, tokens)
+        return VerifyResult(self.seq, accepted, tokens)
 
     def _account(self, speculating: bool, drafted: int, accepted: int, draft_s, verify_s: float) -> None:
         stats = self.stats
