@@ -12,7 +12,10 @@ classes and register under the `hetero_sd.backends` entry-point group.
     Runner   required  device, precision, vocab_size, max_context
                        allocate / forward / greedy / truncate / release   (the decode loop)
                        length / usage                                     (reporting)
-             optional  none: a capability a runner lacks is declared, never faked (a precision
+             optional  max_batch + forward_batch(items): several sequences' rows in one call,
+                       each row rounding exactly as in a call of its own (run_batch() loops
+                       over forward for a runner without them: max_batch 1)
+                       a capability a runner lacks is declared, never faked (a precision
                        whose multi-token calls round differently says batch_invariant=False,
                        and results then say "lossless: up to numerics")
 """
@@ -56,6 +59,15 @@ class PoolUsage:
     sequences: int
 
 
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's share of a batched forward: as Runner.forward's arguments."""
+    seq_id: int
+    tokens: Sequence[int]
+    start: int
+    num_logits: int
+
+
 class Runner(Protocol):
     """A model loaded on one device, with its own KV pool."""
 
@@ -82,6 +94,25 @@ class Runner(Protocol):
     def release(self, seq_id: int) -> None: ...
 
     def usage(self) -> PoolUsage: ...
+
+
+def batch_capacity(runner) -> int:
+    """How many sequences one call of the runner can carry (1: no batched forward)."""
+    return getattr(runner, "max_batch", 1) if hasattr(runner, "forward_batch") else 1
+
+
+def run_batch(runner, items: Sequence[BatchItem]) -> list[np.ndarray]:
+    """Logits for every item, in order: the runner's batched forward in calls of
+    at most its max_batch sequences, or one forward per sequence."""
+    cap = batch_capacity(runner)
+    if cap <= 1:
+        return [runner.forward(i.seq_id, i.tokens, i.start, i.num_logits) for i in items]
+    out: list[np.ndarray] = []
+    for lo in range(0, len(items), cap):
+        chunk = list(items[lo:lo + cap])
+        out += runner.forward_batch(chunk) if len(chunk) > 1 else \
+            [runner.forward(chunk[0].seq_id, chunk[0].tokens, chunk[0].start, chunk[0].num_logits)]
+    return out
 
 
 class Backend(Protocol):

@@ -146,27 +146,11 @@ class Engine:
                      sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
                      **sampling_overrides) -> GenerationResult:
         params = self._params(sampling, sampling_overrides)
-        constraint = Constraint.of(constraint) or self.constraint
         speculate = not target_only and self.drafter is not None
-        n = len(prompt_ids)
-        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if n == 0:
-            raise GenerationError("the prompt is empty")
-        if budget < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {budget}")
-        if n >= self._target.max_context:
-            raise GenerationError(f"the prompt has {n} tokens but the target's context holds "
-                                  f"{self._target.max_context}; shorten the prompt")
-        stats = GenerationStats(mode=self._drafter.name if speculate else "target-only", prompt_tokens=n,
-                                sampling=params.describe())
-        stopper = StopChecker(budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
-        guide = None if constraint is None else self._guide(constraint)  # a bad grammar fails here, before any token
         if speculate:
             self.policy.reset()  # acceptance is per request; learnt costs are kept
-        run = _Run(self._target, self._drafter if speculate else None, self.policy,
-                   None if params.greedy else Sampler(params), stopper, stats, list(prompt_ids))
-        if guide is not None:
-            run.constrain(guide, self.eos_ids, self._target.vocab_size)
+        run = self.new_run(prompt_ids, max_new_tokens, stop, params, constraint,
+                           self._drafter if speculate else None, self.policy)
         try:
             run.run()
         except GenerationError as exc:
@@ -178,6 +162,35 @@ class Engine:
             run.close()
             raise
         return run.close()
+
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int | None) -> int:
+        """The request's token budget; GenerationError for a request no run could serve."""
+        n = len(prompt_ids)
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if n == 0:
+            raise GenerationError("the prompt is empty")
+        if budget < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {budget}")
+        if n >= self._target.max_context:
+            raise GenerationError(f"the prompt has {n} tokens but the target's context holds "
+                                  f"{self._target.max_context}; shorten the prompt")
+        return budget
+
+    def new_run(self, prompt_ids: list[int], max_new_tokens: int | None, stop: list[str] | None,
+                params: SamplingParams, constraint, drafter: FailoverDrafter | None, policy) -> "_Run":
+        """One request's state, its target sequence allocated (the batching server
+        drives many at once: hetero_sd.serve.batch)."""
+        budget = self.check_request(prompt_ids, max_new_tokens)
+        constraint = Constraint.of(constraint) or self.constraint
+        stats = GenerationStats(mode=drafter.name if drafter is not None else "target-only",
+                                prompt_tokens=len(prompt_ids), sampling=params.describe())
+        stopper = StopChecker(budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
+        guide = None if constraint is None else self._guide(constraint)  # a bad grammar fails here, before any token
+        run = _Run(self._target, drafter, policy, None if params.greedy else Sampler(params), stopper, stats,
+                   list(prompt_ids))
+        if guide is not None:
+            run.constrain(guide, self.eos_ids, self._target.vocab_size)
+        return run
 
 
 @dataclass
@@ -252,12 +265,13 @@ class _Run:
         return _Round(self.pos, [self.context[-1]] + drafts, drafts, draft_probs, draft_s, speculating,
                       time.perf_counter())
 
-    def finish(self, rnd: "_Round", scored) -> bool:
+    def finish(self, rnd: "_Round", scored, verify_s: float | None = None) -> bool:
         """Accept against the target's scores for the round's rows (greedy ids or
-        distributions, as _score/score_logits give them) and commit; True when over."""
+        distributions, as _score/score_logits give them) and commit; True when over.
+        verify_s: this request's share of a batched call (default: the time since plan)."""
         result = self._verify(rnd.drafts, rnd.draft_probs, scored)
         self._account(rnd.speculating, len(rnd.drafts), result.accepted, rnd.draft_s,
-                      time.perf_counter() - rnd.t0)
+                      time.perf_counter() - rnd.t0 if verify_s is None else verify_s)
         return self._commit(result.tokens)
 
     def score_logits(self, logits):
@@ -304,6 +318,7 @@ class _Run:
         stats.verify_s += verify_s
         stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, \
             stats.accepted + accepted
+        stats.count_positions(drafted, accepted)
         if self._take_events():  # a target swap in the verify: its time teaches no cost
             verify_s = None
         if speculating:  # (target-only rounds feed no policy)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from hetero_sd.backends.base import BatchItem, batch_capacity, run_batch
 from hetero_sd.drafting.base import Drafter, apply_delta
 from hetero_sd.errors import ConfigError, GenerationError, KVBudgetError, describe
 from hetero_sd.ir.work import DraftRequest, DraftResult
@@ -144,6 +145,23 @@ class FailoverRunner:
 
     def forward(self, seq_id: int, tokens, start: int, num_logits: int):
         return self._run("forward", seq_id, tokens, start, num_logits)
+
+    @property
+    def max_batch(self) -> int:
+        return batch_capacity(self.current)
+
+    def forward_batch(self, items: list[BatchItem]) -> list:
+        """Several sequences in one target call (backends.base.run_batch); after a
+        device failure the batch is re-run on the replacement, ids mapped anew."""
+        seqs = [self._seqs[i.seq_id] for i in items]
+        out = self._guarded(lambda: run_batch(self.current, [
+            BatchItem(s.inner, i.tokens, i.start, i.num_logits) for s, i in zip(seqs, items)]))
+        for s, i in zip(seqs, items):
+            del s.tokens[i.start:]
+            s.tokens.extend(i.tokens)
+            if i.start == 0:
+                s.first = len(i.tokens)
+        return out
 
     def greedy(self, seq_id: int, tokens, start: int, num_logits: int) -> list[int]:
         return self._run("greedy", seq_id, tokens, start, num_logits)

@@ -25,6 +25,18 @@ class GenerationStats:
     mask_wait_s: float = 0.0  # what of it sat on the critical path (inside verify_s and prefill_s)
     grammar_cut: int = 0  # drafts dropped because the grammar refused them
     grammar_drafted: int = 0  # drafts the grammar forced (added after a drafter's proposal)
+    # per draft position i (0-based): rounds that drafted it, and rounds that accepted it
+    drafted_pos: list[int] = field(default_factory=list)
+    accepted_pos: list[int] = field(default_factory=list)
+
+    def count_positions(self, drafted: int, accepted: int) -> None:
+        grow = drafted - len(self.drafted_pos)
+        if grow > 0:
+            self.drafted_pos += [0] * grow
+            self.accepted_pos += [0] * grow
+        for i in range(drafted):
+            self.drafted_pos[i] += 1
+            self.accepted_pos[i] += i < accepted
 
     @property
     def other_s(self) -> float:

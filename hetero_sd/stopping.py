@@ -39,3 +39,37 @@ class StopChecker:
             if cut >= 0:
                 text = text[:cut]
         return text
+
+
+class TextStream:
+    """Streamed text: deltas that add up to exactly StopChecker.text(). A delta
+    never ends inside a UTF-8 character, inside what may yet become a stop
+    string, or in text the newest token could still change when decoded with
+    the next one."""
+
+    def __init__(self, stopper: StopChecker):
+        self.stopper, self.sent = stopper, 0
+
+    def delta(self, final: bool = False) -> str:
+        s = self.stopper
+        if s.tokenizer is None:
+            return ""
+        if final:
+            text = s.text()
+        else:
+            text = s.tokenizer.decode(s.tokens[:-1], skip_special_tokens=True).rstrip("\ufffd")
+            text = text[:len(text) - _stop_prefix(text, s.stop)]
+        out = text[self.sent:] if len(text) > self.sent else ""
+        self.sent += len(out)
+        return out
+
+
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that begins some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop), len(text)), best, -1):
+            if stop.startswith(text[-n:]):
+                best = n
+                break
+    return best

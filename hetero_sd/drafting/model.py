@@ -29,10 +29,16 @@ class ModelDrafter(Drafter):
                  head_vocab: int | None = None):
         check_vocab(runner, target_vocab, draft_desc, head_vocab)
         self.runner, self.target_vocab = runner, target_vocab
+        self._args = (draft_desc, head_vocab)
         self._seq: int | None = None
         self.context: list[int] = []
         self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
         self._sampler = None
+
+    def fork(self) -> "ModelDrafter":
+        """An independent drafter for another concurrent sequence, sharing the draft
+        runner (each holds its own sequence in the runner's pool)."""
+        return ModelDrafter(self.runner, self.target_vocab, *self._args)
 
     def reset(self) -> None:
         if self._seq is not None:

@@ -22,6 +22,10 @@ class NgramDrafter(Drafter):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.reset()
 
+    def fork(self) -> "NgramDrafter":
+        """An independent drafter for another concurrent sequence (the batching server)."""
+        return NgramDrafter(self.min_ngram, self.max_ngram)
+
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
         self._guide = guide

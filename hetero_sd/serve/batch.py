@@ -1,0 +1,290 @@
+"""Continuous batching: many requests, one target call per step.
+
+Requests join and leave the running set at step boundaries. A step:
+  1. admits waiting requests (priority order, hetero_sd.scheduler.admission)
+     while the target's KV pool has room, and prefills each alone, the same
+     call `hetero-sd generate` makes;
+  2. lets every running request draft (its own drafter and draft length);
+  3. scores every request's rows in ONE batched target call (Runner.forward_batch,
+     each row rounding exactly as alone: the backends prove it bitwise);
+  4. accepts and commits per request, and streams what each committed.
+A request's output therefore equals its solo output token for token, whatever
+runs beside it; its sampler is its own, so a seed reproduces.
+
+Everything runs on one engine thread; `submit` and `Handle.cancel` are safe
+from any thread, and events are delivered on the engine thread (the server
+hands them to its event loop).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hetero_sd.backends.base import BatchItem
+from hetero_sd.errors import GenerationError, HeteroSDError, KVBudgetError, describe
+from hetero_sd.failover import FailoverDrafter, NoFallback
+from hetero_sd.sampling import SamplingParams
+from hetero_sd.scheduler.admission import AdmissionQueue, QueueFull
+from hetero_sd.scheduler.batch_cost import BatchCost
+from hetero_sd.stopping import TextStream
+
+log = logging.getLogger("hetero_sd.serve")
+
+__all__ = ["BatchEngine", "Event", "Handle", "QueueFull", "Request", "ShuttingDown"]
+
+
+class ShuttingDown(HeteroSDError):
+    """The server stopped admitting requests."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: list[str] = field(default_factory=list)
+    priority: float = 0.0
+    speculate: bool = True  # False: target-only for this request
+
+
+@dataclass
+class Event:
+    """What a request produced since its last event. The final event has
+    finish_reason ("stop" | "length" | "eos" | "context" | "abort" | "cancelled"
+    | "error"), the whole GenerationResult, and for "error" the message."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    result: object = None  # hetero_sd.engine.GenerationResult on the final event
+    error: str | None = None
+
+
+class Handle:
+    def __init__(self, request: Request, on_event: Callable[[Event], None]):
+        self.request, self.on_event = request, on_event
+        self.cancelled = False
+        self.submitted = time.monotonic()
+        self.first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        """Free the request's sequence at the next step boundary (a client that left)."""
+        self.cancelled = True
+
+
+@dataclass
+class _Live:
+    handle: Handle
+    run: object  # hetero_sd.engine._Run
+    stream: TextStream
+    sent_tokens: int = 0
+    started: bool = False
+
+
+class BatchEngine:
+    """Serve an Engine's target and drafter to many concurrent requests.
+
+    max_running: sequences stepped together (the batch); max_waiting: the
+    queue bound (past it, submit raises QueueFull); prefills_per_step: new
+    requests prefilled per step, so arrivals do not stall running streams."""
+
+    def __init__(self, engine, max_running: int = 16, max_waiting: int = 64, prefills_per_step: int = 2,
+                 ageing_s: float = 10.0, on_finish: Callable[[Handle, object], None] | None = None):
+        self.engine = engine
+        self.target = engine._target  # the FailoverRunner: a device failure moves the whole batch
+        self.max_running, self.prefills_per_step = max_running, prefills_per_step
+        self.on_finish = on_finish
+        self.cost = BatchCost()
+        self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
+        self._running: list[_Live] = []
+        self._cond = threading.Condition()
+        self._admitting, self._closed = True, False
+        self._drain_deadline: float | None = None
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------ any thread
+    @property
+    def speculative(self) -> bool:
+        """Whether requests can speculate: the drafter can serve several sequences at once."""
+        drafter = self.engine.drafter
+        return drafter is not None and callable(getattr(drafter, "fork", None))
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._cond:
+            return len(self._running), len(self._queue)
+
+    def kv_usage(self) -> float:
+        u = self.target.usage()
+        return u.used_tokens / u.capacity_tokens if u.capacity_tokens else 0.0
+
+    def check(self, req: Request) -> None:
+        """GenerationError (a client error, HTTP 400) for a request that can never run."""
+        budget = self.engine.check_request(req.prompt_ids, req.max_new_tokens)
+        n, ctx = len(req.prompt_ids), self.target.max_context
+        if n + budget > ctx:
+            raise GenerationError(f"the prompt ({n} tokens) plus max_tokens ({budget}) exceeds the model's "
+                                  f"context of {ctx} tokens; lower max_tokens to at most {ctx - n}")
+        u = self.target.usage()
+        if n + budget > u.capacity_tokens:
+            raise GenerationError(f"the request needs {n + budget} KV positions but the target's whole pool "
+                                  f"holds {u.capacity_tokens} (memory.kv_budget); lower max_tokens or the prompt")
+
+    def submit(self, req: Request, on_event: Callable[[Event], None]) -> Handle:
+        """Queue a request; GenerationError (400), QueueFull (429) or ShuttingDown (503) if it cannot."""
+        self.check(req)
+        handle = Handle(req, on_event)
+        with self._cond:
+            if not self._admitting:
+                raise ShuttingDown("the server is shutting down and admits no new request")
+            self._queue.push(handle, req.priority)
+            self._cond.notify()
+        return handle
+
+    def start(self) -> "BatchEngine":
+        self._thread = threading.Thread(target=self._loop, name="hetero-sd-batch", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain_s: float = 30.0) -> None:
+        """Stop admission; requests already accepted finish within drain_s, the
+        rest end with finish_reason "abort" (their output so far kept)."""
+        with self._cond:
+            self._admitting = False
+            self._drain_deadline = time.monotonic() + drain_s
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._running and not len(self._queue) and self._admitting:
+                    self._cond.wait()
+                if not self._running and not len(self._queue):
+                    return  # shutting down, nothing left
+                if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                    self._abort_all()
+                    return
+                cancelled = self._queue.remove(lambda h: h.cancelled)
+                admitted = self._admit()
+            for h in cancelled:
+                self._emit_final(h, None, "cancelled")
+            try:
+                self._step(admitted)
+            except Exception as exc:  # never kill the loop: fail the batch, keep serving
+                log.exception("batch step failed")
+                for live in list(self._running):
+                    self._end(live, "error", describe(exc))
+
+    def _admit(self) -> list[_Live]:
+        out = []
+        while len(self._running) < self.max_running and len(out) < self.prefills_per_step:
+            popped = self._queue.pop()
+            if popped is None:
+                break
+            handle, priority, arrived = popped
+            try:
+                live = self._new_live(handle)
+            except HeteroSDError as exc:
+                if isinstance(exc, KVBudgetError) and self._running:  # no room now: wait for a request to leave
+                    self._queue.push_front(handle, priority, arrived)
+                    break
+                self._emit_final(handle, None, "error", str(exc))
+                continue
+            self._queue.served_s = 0.9 * self._queue.served_s + 0.1 * (time.monotonic() - arrived)
+            self._running.append(live)
+            out.append(live)
+        return out
+
+    def _new_live(self, handle: Handle) -> _Live:
+        req, engine = handle.request, self.engine
+        drafter = policy = None
+        if req.speculate and self.speculative:
+            drafter = FailoverDrafter(engine.drafter.fork(), NoFallback())
+            policy = copy.deepcopy(engine.policy)  # learnt costs carried over, acceptance per request
+            policy.reset()
+        run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, None, drafter, policy)
+        return _Live(handle, run, TextStream(run.stopper))
+
+    def _step(self, admitted: list[_Live]) -> None:
+        for live in admitted:
+            if live.handle.cancelled:
+                continue
+            done = live.run.start()  # the prefill: alone, as a solo run makes it
+            live.started = True
+            self._publish(live, done)
+        for live in [x for x in self._running if x.handle.cancelled]:
+            self._end(live, "cancelled")
+        batch = []
+        for live in [x for x in self._running if x.started]:
+            rnd = live.run.plan()
+            if rnd is None:  # the context is full
+                self._publish(live, True)
+            else:
+                batch.append((live, rnd))
+        if not batch:
+            return
+        rows = sum(len(r.tokens) for _, r in batch)
+        t0 = time.perf_counter()
+        logits = self.target.forward_batch([BatchItem(live.run.seq, r.tokens, r.start, len(r.tokens))
+                                            for live, r in batch])
+        seconds = time.perf_counter() - t0
+        self.cost.observe(rows, seconds)
+        self.steps += 1
+        for (live, rnd), out in zip(batch, logits):
+            share = self.cost.share(len(rnd.tokens), len(batch))
+            done = live.run.finish(rnd, live.run.score_logits(out), verify_s=share)
+            self._publish(live, done)
+
+    def _publish(self, live: _Live, done: bool) -> None:
+        tokens = live.run.stopper.tokens
+        if done:
+            self._end(live, None)
+            return
+        new = tokens[live.sent_tokens:]
+        if new:
+            live.sent_tokens = len(tokens)
+            if live.handle.first_token_at is None:
+                live.handle.first_token_at = time.monotonic()
+            self._deliver(live.handle, Event(live.stream.delta(), list(new)))
+
+    def _end(self, live: _Live, reason: str | None, error: str | None = None) -> None:
+        """Close the run (its sequence freed) and send the final event."""
+        if live in self._running:
+            self._running.remove(live)
+        result = live.run.close()
+        reason = reason or result.stats.finish_reason or "stop"
+        if reason in ("abort", "cancelled", "error"):
+            result.stats.finish_reason = reason
+        new = list(result.token_ids[live.sent_tokens:])
+        if new and live.handle.first_token_at is None:
+            live.handle.first_token_at = time.monotonic()
+        self._emit_final(live.handle, result, reason, error, live.stream.delta(final=True), new)
+
+    def _emit_final(self, handle: Handle, result, reason: str, error: str | None = None, text: str = "",
+                    new: list[int] | None = None) -> None:
+        if self.on_finish is not None:
+            try:
+                self.on_finish(handle, result)
+            except Exception:
+                log.exception("on_finish failed")
+        self._deliver(handle, Event(text, new or [], reason, result, error))
+
+    @staticmethod
+    def _deliver(handle: Handle, event: Event) -> None:
+        try:
+            handle.on_event(event)
+        except Exception:  # a listener's failure is its own; the batch goes on
+            log.exception("event listener failed")
+
+    def _abort_all(self) -> None:
+        for h in self._queue.drain():
+            self._emit_final(h, None, "abort")
+        for live in list(self._running):
+            self._end(live, "abort")
