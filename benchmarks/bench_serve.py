@@ -1,0 +1,445 @@
+"""Load benchmark for `hetero-sd serve`, side by side with llama.cpp's server.
+
+    python benchmarks/bench_serve.py [--config configs/cpu.yaml] [--levels 1,2,4,8,16,32]
+                                     [--requests-per-level N] [--max-tokens 128] [--no-peer]
+                                     [--servers spec,nospec,peer] [--json FILE] [--quick]
+
+The load generator is the `openai` package's AsyncOpenAI client driven by
+asyncio at a fixed concurrency: C workers each send streaming chat requests
+back to back (stream_options.include_usage, temperature 0, fixed max_tokens)
+until the level's request count is spent or its time limit passes. Prompts are
+the packaged hetero_sd/bench/prompts.jsonl (grounded and open), cycled, so
+request i gets the same prompt on every server.
+
+Servers, one at a time (the host's cores go to the one being measured), on a
+free port on 127.0.0.1, started afresh for every level and stopped after it;
+per level the order rotates so no server always runs first:
+- spec:   hetero-sd serve --config X
+- nospec: hetero-sd serve --config X --no-speculation
+- peer:   python -m llama_cpp.server on the same GGUF, threads = our cores,
+          --interrupt_requests False (its default, True, ends a running
+          stream with [DONE] as soon as another request arrives).
+
+Per level and server: TTFT (first content chunk), TPOT ((end - first) /
+(tokens - 1), per request), end-to-end latency, each p50/p99 over the
+requests that finished; output tok/s = completion tokens of finished
+requests / the level's wall time; done and failed counts (an error, a
+timeout, or a stream that ended without finish_reason). Completion tokens
+come from the usage chunk; llama_cpp.server sends none, so for it they are
+max_tokens when finish_reason is "length", else the content chunks (it
+streams one token per chunk; a held-back partial UTF-8 byte sequence makes
+that an undercount by a few). Not a test: speed is measured, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "127.0.0.1"  # never any other address: the servers are reachable from this host only
+API_KEY = "bench"  # neither server is started with --api-key; the client needs some string
+LEVELS = (1, 2, 4, 8, 16, 32)
+SERVERS = ("spec", "nospec", "peer")
+LABELS = {"spec": "ours spec", "nospec": "ours no-spec", "peer": "llama.cpp"}
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- one request, one level -------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool
+    e2e_s: float
+    ttft_s: float | None = None
+    tokens: int = 0
+    tokens_from: str = ""  # "usage", "length" or "chunks": how `tokens` was known
+    finish: str | None = None
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+
+
+def _tokens(usage: int | None, finish: str | None, chunks: int, max_tokens: int) -> tuple[int, str]:
+    if usage is not None:
+        return usage, "usage"
+    if finish == "length":
+        return max_tokens, "length"
+    return chunks, "chunks"
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int, include_usage: bool) -> Result:
+    """One streaming chat request, timed from before the call to the stream's end."""
+    t0 = time.perf_counter()
+    first = usage = finish = None
+    chunks = 0
+    extra = {"stream_options": {"include_usage": True}} if include_usage else {}
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0, stream=True, **extra)
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta is not None and choice.delta.content:
+                    first = first or time.perf_counter()
+                    chunks += 1
+                finish = choice.finish_reason or finish
+    except Exception as exc:  # noqa: BLE001 -- a failed request is counted, never fatal to the level
+        return Result(False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+    end = time.perf_counter()
+    tokens, source = _tokens(usage, finish, chunks, max_tokens)
+    if finish is None:  # llama_cpp.server's interrupted streams end like this
+        return Result(False, end - t0, None, tokens, source, None, "stream ended without finish_reason")
+    return Result(True, end - t0, (first - t0) if first else None, tokens, source, finish)
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, n_requests: int,
+                    max_tokens: int, time_limit_s: float, request_timeout_s: float,
+                    include_usage: bool = True) -> tuple[list[Result], float]:
+    """`concurrency` workers sending requests back to back; (results, wall seconds).
+
+    Bounded in count (n_requests) and time: no request starts after time_limit_s, and each is
+    cancelled after request_timeout_s (a timeout counts as a failure)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=request_timeout_s)
+    order, results = itertools.count(), []
+    t0 = time.perf_counter()
+
+    async def worker():
+        while time.perf_counter() - t0 < time_limit_s:
+            i = next(order)
+            if i >= n_requests:
+                return
+            call = one_request(client, model, prompts[i % len(prompts)], max_tokens, include_usage)
+            started = time.perf_counter()
+            try:
+                results.append(await asyncio.wait_for(call, request_timeout_s))
+            except asyncio.TimeoutError:
+                results.append(Result(False, time.perf_counter() - started, error="timeout"))
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    return results, time.perf_counter() - t0
+
+
+# ---- statistics and report --------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default), None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    at = (len(xs) - 1) * q / 100
+    lo = int(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+def _p(values: list[float]) -> dict:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+
+def summarize(results: list[Result], wall_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
+    return {"requests": len(results), "done": len(ok), "failed": len(results) - len(ok),
+            "wall_s": wall_s, "output_tokens": tokens, "output_tok_s": tokens / wall_s if wall_s > 0 else None,
+            "ttft_s": _p([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "tpot_s": _p([r.tpot_s for r in ok if r.tpot_s is not None]),
+            "e2e_s": _p([r.e2e_s for r in ok]),
+            "tokens_from": sorted({r.tokens_from for r in ok}), "errors": errors}
+
+
+def ratios(results: dict[str, dict[int, dict]]) -> dict[int, dict[str, float]]:
+    """Per level: each of our servers' output tok/s over the peer's."""
+    peer = results.get("peer", {})
+    out = {}
+    for level, base in peer.items():
+        row = {}
+        for name in ("spec", "nospec"):
+            ours = results.get(name, {}).get(level, {}).get("output_tok_s")
+            if ours is not None and base.get("output_tok_s"):
+                row[f"{LABELS[name]} / {LABELS['peer']}"] = ours / base["output_tok_s"]
+        if row:
+            out[level] = row
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def table_rows(results: dict[str, dict[int, dict]]) -> list[list[str]]:
+    """One row per level and server: the figures of the printed table, as text."""
+    levels = sorted({lv for by in results.values() for lv in by})
+    rows = []
+    for level in levels:
+        for name in SERVERS:
+            s = results.get(name, {}).get(level)
+            if s is None:
+                continue
+            base = results[name].get(min(results[name]))  # the lowest level run: the scaling reference
+            tps, ref = s.get("output_tok_s"), base.get("output_tok_s")
+            rows.append([str(level), LABELS[name], f"{s['done']}/{s['failed']}",
+                         _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p99"]),
+                         _ms(s["tpot_s"]["p50"]), _ms(s["tpot_s"]["p99"]),
+                         _ms(s["e2e_s"]["p50"]), _ms(s["e2e_s"]["p99"]),
+                         "-" if tps is None else f"{tps:.1f}",
+                         f"{tps / ref:.2f}x" if tps and ref else "-"])
+    return rows
+
+
+HEADER = ["C", "server", "done/failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+          "E2E p50 ms", "E2E p99 ms", "out tok/s", "vs lowest C"]
+
+
+def render(results: dict[str, dict[int, dict]]) -> str:
+    """The table and the ratio lines, as plain markdown (readable in a terminal and a README)."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    for level, row in ratios(results).items():
+        lines.append(f"C={level}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row.items()))
+    return "\n".join(lines)
+
+
+# ---- servers ----------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def server_argv(name: str, port: int, opts) -> list[str]:
+    if name == "peer":
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(opts.peer_model), "--host", HOST,
+                "--port", str(port), "--n_threads", str(cores()), "--n_threads_batch", str(cores()),
+                "--n_ctx", str(opts.peer_ctx), "--interrupt_requests", "False", "--verbose", "False",
+                *shlex.split(opts.peer_args)]  # later flags win in its argparse
+    most = max(opts.levels)
+    argv = [sys.executable, "-m", "hetero_sd.cli", "serve", "--config", str(opts.config), "--host", HOST,
+            "--port", str(port), "--max-running", str(most), "--max-waiting", str(2 * most)]
+    return argv + (["--no-speculation"] if name == "nospec" else []) + shlex.split(opts.serve_args)
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout_s: float) -> str:
+    """Poll /health then /v1/models until the server answers; the served model's id."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready:\n{_tail(log)}")
+        try:
+            models = httpx.get(f"{base}/v1/models", timeout=5)
+            if models.status_code == 200:
+                return models.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            pass  # not listening yet, or still loading
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL to the process group we created."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started dies
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+@contextmanager
+def serving(argv: list[str], port: int, log: Path, ready_timeout_s: float):
+    """A server started in its own session, yielded once ready as (base url, model id); always stopped."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=tempfile.gettempdir())
+    try:
+        base = f"http://{HOST}:{port}"
+        yield base, wait_ready(proc, base, log, ready_timeout_s)
+    finally:
+        stop(proc)
+
+
+def scrape_acceptance(base: str) -> dict | None:
+    """Drafted and accepted tokens from our /metrics (vLLM's names under hetero_sd:), if it has them."""
+    import httpx
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+    except Exception:  # noqa: BLE001 -- metrics are a bonus: their absence never fails the benchmark
+        return None
+    got = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:  # counters: `name_total` (typed) or as written (untyped)
+            name = sample.name.removesuffix("_total")
+            for key in ("num_draft_tokens", "num_accepted_tokens"):
+                if name.endswith("spec_decode_" + key):
+                    got[key] = got.get(key, 0) + sample.value
+    if got.get("num_draft_tokens"):
+        got["acceptance"] = got.get("num_accepted_tokens", 0) / got["num_draft_tokens"]
+    return got or None
+
+
+# ---- the run ----------------------------------------------------------------------------
+
+def requests_for(level: int, opts) -> int:
+    """At least one request per worker, so the level reaches its concurrency."""
+    return max(opts.requests_per_level or max(16, 2 * level), level)
+
+
+def load_prompt_texts(limit: int | None = None) -> list[str]:
+    from hetero_sd.bench.prompts import load_prompts
+    return [p.prompt for p in load_prompts(None)][:limit]
+
+
+def measure(name: str, level: int, prompts: list[str], opts, logdir: Path) -> dict:
+    """Start `name`'s server, warm it up, run one level, stop it: the level's summary."""
+    port = free_port()
+    log = logdir / f"{name}-c{level}.log"
+    argv = server_argv(name, port, opts)
+    usage = name != "peer"  # llama_cpp.server has no stream_options (pydantic drops the field)
+    t0 = time.perf_counter()
+    try:
+        with serving(argv, port, log, opts.ready_timeout) as (base, model):
+            ready_s = time.perf_counter() - t0
+            # Warm-up, not counted: first-call allocations and caches are not the load's cost.
+            asyncio.run(run_level(f"{base}/v1", model, prompts, 1, 1, 8, opts.request_timeout,
+                                  opts.request_timeout, usage))
+            results, wall = asyncio.run(run_level(f"{base}/v1", model, prompts, level, requests_for(level, opts),
+                                                  opts.max_tokens, opts.level_timeout, opts.request_timeout,
+                                                  usage))
+            summary = summarize(results, wall)
+            if name != "peer":
+                summary["metrics"] = scrape_acceptance(base)
+    except RuntimeError as exc:  # a server that did not start: reported, the run goes on
+        return {**summarize([], 0.0), "error": str(exc)[-1500:], "argv": argv}
+    # The host is shared: its load average says how much of it this level had.
+    summary.update(argv=argv, ready_s=ready_s, log=str(log), loadavg_after=os.getloadavg())
+    return summary
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _meta(opts, argv: list[str]) -> dict:
+    import platform
+    return {"command": "python benchmarks/bench_serve.py " + shlex.join(argv), "commit": _commit(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cores": cores(),
+            "cpu": platform.processor() or platform.machine(), "config": str(opts.config),
+            "peer_model": str(opts.peer_model), "levels": opts.levels, "max_tokens": opts.max_tokens,
+            "requests_per_level": {lv: requests_for(lv, opts) for lv in opts.levels},
+            "servers": opts.servers, "prompts": "hetero_sd/bench/prompts.jsonl (cycled)"}
+
+
+def run(opts, argv: list[str]) -> dict:
+    prompts = load_prompt_texts()
+    logdir = Path(opts.logdir or tempfile.mkdtemp(prefix="bench-serve-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[int, dict]] = {name: {} for name in opts.servers}
+    for i, level in enumerate(opts.levels):
+        order = opts.servers[i % len(opts.servers):] + opts.servers[:i % len(opts.servers)]
+        for name in order:
+            s = results[name][level] = measure(name, level, prompts, opts, logdir)
+            tps = s.get("output_tok_s")
+            print(f"C={level} {LABELS[name]}: {s['done']} done, {s['failed']} failed, "
+                  f"{'-' if tps is None else f'{tps:.1f}'} tok/s{'  ' + s['error'][:200] if 'error' in s else ''}",
+                  file=sys.stderr, flush=True)
+    return {"meta": _meta(opts, argv), "results": results, "ratios": ratios(results)}
+
+
+def parse_args(argv: list[str]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(REPO / "configs" / "cpu.yaml"), help="our server's config")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels, e.g. 1,8")
+    ap.add_argument("--requests-per-level", type=int, help="requests per level (default max(16, 2C))")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--servers", default=",".join(SERVERS), help="any of spec,nospec,peer")
+    ap.add_argument("--no-peer", action="store_true", help="without llama.cpp's server")
+    ap.add_argument("--peer-model", help="the GGUF for llama.cpp (default: the config's target model)")
+    ap.add_argument("--peer-ctx", type=int, default=2048, help="llama.cpp's n_ctx")
+    ap.add_argument("--serve-args", default="", help="more arguments for hetero-sd serve")
+    ap.add_argument("--peer-args", default="", help="more arguments for llama_cpp.server")
+    ap.add_argument("--level-timeout", type=float, default=600, help="no request starts after this (s)")
+    ap.add_argument("--request-timeout", type=float, default=300, help="one request's bound (s)")
+    ap.add_argument("--ready-timeout", type=float, default=600, help="a server's start-up bound (s)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: levels 1,2, 4 requests, 16 tokens")
+    ap.add_argument("--logdir", help="servers' logs (default: a new temporary folder)")
+    ap.add_argument("--json", help="write every figure here")
+    opts = ap.parse_args(argv)
+    if opts.quick:
+        opts.levels, opts.requests_per_level, opts.max_tokens = "1,2", opts.requests_per_level or 4, 16
+    opts.levels = [int(x) for x in str(opts.levels).split(",") if x.strip()]
+    opts.servers = [s for s in opts.servers.split(",") if s and not (opts.no_peer and s == "peer")]
+    if not opts.levels or min(opts.levels) < 1 or set(opts.servers) - set(SERVERS) or not opts.servers:
+        ap.error(f"--levels: positive integers; --servers: some of {','.join(SERVERS)}")
+    opts.config = str(Path(opts.config).resolve())  # the servers run in another folder
+    if "peer" in opts.servers and not opts.peer_model:
+        from hetero_sd.config import load_config, resolve_model
+        opts.peer_model = resolve_model(load_config(opts.config).target.model, Path(opts.config).parent)
+    opts.peer_model = opts.peer_model and Path(opts.peer_model).resolve()
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    opts = parse_args(argv)
+    report = run(opts, argv)
+    print(render(report["results"]))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
