@@ -5,11 +5,12 @@ the graph's past inputs; the graph returns only the new positions' K/V (one
 stacked output), which are written into the slab. Rollback is the allocator's length."""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Sequence
 
 import numpy as np
 
-from hetero_sd.backends.base import DeviceInfo, PrecisionInfo
+from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
 from hetero_sd.ir.errors import BackendError, KVBudgetError
 from hetero_sd.ir.model import ModelIR
@@ -39,6 +40,7 @@ class GraphRunner(PooledRunner):
         # must never hold NaN; calloc'd pages still cost nothing until touched.
         self._pool = np.zeros(capacity * self._per_pos, dtype=np.float32)
         self._kv_shape = (2, cfg.num_layers, cfg.num_kv_heads, None, cfg.head_dim)
+        self._kv_heads, self._head_dim = cfg.num_kv_heads, cfg.head_dim
         self._slabs: dict[int, np.ndarray] = {}
         self._past: dict[int, dict[str, np.ndarray]] = {}  # seq -> its slab's per-layer views
         # Quantised-weight kernels take a one-row path that rounds apart from
@@ -94,6 +96,52 @@ class GraphRunner(PooledRunner):
         that is not whole blocks is always read whole."""
         block = self.WINDOW_BLOCK
         return reserved if reserved % block else min(reserved, _round_up(end, block))
+
+    max_batch = 1  # sequences per forward_batch call: a runtime with the batched graph raises it
+
+    def _infer_batch(self, feeds: dict) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """Several sequences in one call of the batched graph (onnx_batch.py): every
+        row rounds as it would in its sequence's own forward."""
+        with ExitStack() as stack:
+            for it in items:
+                stack.enter_context(self._alloc.writing(it.seq_id, it.start, len(it.tokens)))
+            feeds, offsets = self._batch_feeds(items)
+            logits, new_kv = self._infer_batch(feeds)
+            for it, off in zip(items, offsets):
+                n = len(it.tokens)
+                self._slabs[it.seq_id][:, :, :, it.start:it.start + n] = new_kv[:, :, :, off:off + n]
+        out, row = [], 0
+        for it in items:
+            out.append(np.array(logits[row:row + it.num_logits]))
+            row += it.num_logits
+        return out
+
+    def _batch_feeds(self, items: Sequence[BatchItem]) -> tuple[dict, list[int]]:
+        n = np.array([len(it.tokens) for it in items], dtype=np.int64)
+        start = np.array([it.start for it in items], dtype=np.int64)
+        logits = np.array([it.num_logits for it in items], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(n)[:-1]])
+        tmax = int(n.max())
+        t = np.minimum(np.arange(tmax)[None, :], n[:, None] - 1)  # padding repeats the last row
+        exts = [self._alloc.extent(it.seq_id) for it in items]
+        reserved = np.array([e.reserved for e in exts], dtype=np.int64)[:, None, None]
+        base = np.array([e.offset * self._per_pos // self._head_dim for e in exts], dtype=np.int64)[:, None, None]
+        window = _round_up(int((start + n).max()), self.WINDOW_BLOCK)
+        slot = np.minimum(np.arange(window)[None, None, :], reserved - 1)  # past a slab's end: masked
+        heads = np.arange(self._kv_heads, dtype=np.int64)[None, :, None]
+        feeds = {"input_ids": np.fromiter((tok for it in items for tok in it.tokens), np.int64, int(n.sum())),
+                 "positions": np.concatenate([np.arange(s, s + k) for s, k in zip(start, n)]),
+                 "pool": self._pool.reshape(-1, self._head_dim),
+                 "kv_index": base + heads * reserved + slot,
+                 "kv_stride": self._kv_heads * reserved,
+                 "pad_rows": (offsets[:, None] + t).ravel(),
+                 "q_pos_pad": start[:, None] + t,
+                 "unpad_rows": np.concatenate([b * tmax + np.arange(k) for b, k in enumerate(n)]),
+                 "logit_rows": np.concatenate([o + k - m + np.arange(m) for o, k, m in zip(offsets, n, logits)])}
+        return feeds, offsets.tolist()
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self.forward(seq_id, tokens, start, num_logits).argmax(-1).tolist()

@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from hetero_sd.backends.onnx_batch import PoolAttention
 from hetero_sd.backends.onnx_weights import Builder, Linears
 from hetero_sd.ir.families.llama import rope_inv_freq
 from hetero_sd.ir.model import ModelIR
@@ -65,14 +66,15 @@ def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str) ->
     return b.op("MatMul", probs, v)
 
 
-def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None) -> onnx.ModelProto:
+def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None,
+                     batched: bool = False) -> onnx.ModelProto:
     """The graph with weights in `precision` (onnx_weights.py). With `path`, the
     weights stream to `path.parent / weights.bin` one tensor at a time and the
     model is saved at `path`; without, they stay inside the returned proto."""
     model.check_weights()
     b = Builder(path.parent / DATA_FILE if path is not None else None)
     try:
-        proto = _build(model, b, Linears(b, model.weights, precision), progress)
+        proto = _build(model, b, Linears(b, model.weights, precision), progress, batched)
     finally:
         b.close()
     if path is not None:
@@ -83,38 +85,26 @@ def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, p
     return proto
 
 
-def _build(model: ModelIR, b: Builder, linear: Linears, progress) -> onnx.ModelProto:
+def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool = False) -> onnx.ModelProto:
     cfg = model.config
     weights = _FloatWeights(model)  # norms and biases: small, read as floats
-    H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
+    # How rows find their keys: one sequence's slab (below), or several
+    # sequences gathered from the whole pool (onnx_batch.py). Everything else
+    # is the same graph, so a row rounds alike in both.
+    kv = PoolAttention(b, cfg) if batched else SlabAttention(b, cfg)
 
-    # Positions, RoPE rows, and the [T, W] visibility mask shared by all layers.
-    T = b.op("Shape", "input_ids")
-    W = b.op("Reshape", "window", i64(1))
-    q_pos = b.op("Add", b.op("Range", b.const(np.int64(0)), b.op("Squeeze", T), b.const(np.int64(1))), "past_len")
-    k_idx = b.op("Range", b.const(np.int64(0)), "window", b.const(np.int64(1)))
     inv = rope_inv_freq(cfg).numpy().astype(np.float32)
     angles = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inv[None, :]
     emb = np.concatenate([angles, angles], axis=-1)
-    cos, sin = (b.op("Reshape", b.op("Gather", b.const(f(emb).astype(np.float32), f.__name__), q_pos, axis=0),
+    cos, sin = (b.op("Reshape", b.op("Gather", b.const(f(emb).astype(np.float32), f.__name__), kv.q_pos, axis=0),
                      i64(1, 1, -1, D)) for f in (np.cos, np.sin))  # [1, 1, T, D]
     # q's rows carry the 1/sqrt(D) attention scale (q * (cos*s) + rot(q) * (sin*s)):
     # one multiply per graph instead of one per layer, and none on the
     # [Hkv, G*T, W] scores; exact where s is a power of two (D = 64, 256).
     scale = b.const(np.float32(1.0 / np.sqrt(D)))
     cos_q, sin_q = b.op("Mul", cos, scale), b.op("Mul", sin, scale)
-    q_col, k_row = b.op("Unsqueeze", q_pos, i64(1)), b.op("Unsqueeze", k_idx, i64(0))
-    visible = b.op("LessOrEqual", k_row, q_col)  # [T, W]
-    if cfg.sliding_window:
-        visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row), b.const(np.int64(cfg.sliding_window))))
-    mask = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)), b.op("Concat", i64(G), T, W, axis=0)),
-                i64(1, -1, 0), allowzero=0)  # [1, G*T, W]
-    # New keys land at their absolute slots past_len .. past_len + T - 1 of a
-    # copy of the window (ScatterElements along the position axis: a copy and
-    # T writes, where selecting over all slots read three window-long tensors).
-    slots = b.op("Expand", b.op("Reshape", q_pos, i64(1, 1, -1, 1)), i64(1, Hkv, 1, D))  # [1, Hkv, T, D]
-    minus_inf = b.const(np.float32(-np.inf))
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
 
     x = b.op("Gather", linear.embedding("model.embed_tokens.weight"), "input_ids", axis=0)
@@ -139,12 +129,8 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress) -> onnx.ModelP
                  for (n, c), part in zip(qkv[:2], parts[:2])}
         new_kv["k"].append(_rope(b, heads["k"], cos, sin, D // 2))
         new_kv["v"].append(b.op("Transpose", b.op("Reshape", parts[2], i64(1, -1, Hkv, D)), perm=[0, 2, 1, 3]))
-        # the window (a copy the scatter may reuse) with the new rows in place
-        k_all, v_all = (b.op("Reshape", b.op("ScatterElements", b.op("Slice", f"past_{n}_{i}", i64(0), W, i64(2)),
-                                             slots, new_kv[n][-1], axis=2), i64(Hkv, -1, D)) for n in "kv")
-        q = b.op("Reshape", _rope(b, heads["q"], cos_q, sin_q, D // 2), i64(Hkv, -1, D))  # grouped by kv head
-        att = b.op("Reshape", _attention(b, q, k_all, v_all, mask, minus_inf), i64(H, -1, D))
-        att = b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
+        q = _rope(b, heads["q"], cos_q, sin_q, D // 2)
+        att = kv.attend(i, q, new_kv["k"][-1], new_kv["v"][-1])  # [T, H*D]
         x = b.op("Add", x, linear(att, [p + "self_attn.o_proj.weight"]))
         h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         inter = cfg.intermediate_size
@@ -156,14 +142,71 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress) -> onnx.ModelP
         x = b.op("Add", x, linear(b.op("Mul", gate, up), [p + "mlp.down_proj.weight"]))
 
     stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
-    b.op("Concat", *[b.op("Unsqueeze", kv, i64(0)) for kv in stacked], axis=0, out="new_kv")
+    b.op("Concat", *[b.op("Unsqueeze", kv_, i64(0)) for kv_ in stacked], axis=0, out="new_kv")
 
-    start = b.op("Sub", T, b.op("Reshape", "num_logits", i64(1)))
-    x = b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), i64(1)), i64(0))
-    x = _rms_norm(b, x, weights["model.norm.weight"], cfg.rms_norm_eps)
+    x = _rms_norm(b, kv.logit_rows(x), weights["model.norm.weight"], cfg.rms_norm_eps)
     linear(x, ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"], head=True,
            out="logits", rows=cfg.output_vocab)
-    return _make_model(b, cfg)
+    return _make_model(b, cfg, kv.inputs())
+
+
+class SlabAttention:
+    """One sequence: its slab's per-layer views are the past inputs."""
+
+    def __init__(self, b: Builder, cfg):
+        self.b, self.cfg = b, cfg
+        i64 = self._i64
+        Hkv, D, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        self.T = T = b.op("Shape", "input_ids")
+        W = b.op("Reshape", "window", i64(1))
+        self.W = W
+        self.q_pos = q_pos = b.op("Add", b.op("Range", b.const(np.int64(0)), b.op("Squeeze", T),
+                                              b.const(np.int64(1))), "past_len")
+        k_idx = b.op("Range", b.const(np.int64(0)), "window", b.const(np.int64(1)))
+        q_col, k_row = b.op("Unsqueeze", q_pos, i64(1)), b.op("Unsqueeze", k_idx, i64(0))
+        visible = b.op("LessOrEqual", k_row, q_col)  # [T, W]
+        if cfg.sliding_window:
+            visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row),
+                                                b.const(np.int64(cfg.sliding_window))))
+        self.mask = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)),
+                                         b.op("Concat", i64(G), T, W, axis=0)),
+                         i64(1, -1, 0), allowzero=0)  # [1, G*T, W]
+        # New keys land at their absolute slots past_len .. past_len + T - 1 of a
+        # copy of the window (ScatterElements along the position axis: a copy and
+        # T writes, where selecting over all slots read three window-long tensors).
+        self.slots = b.op("Expand", b.op("Reshape", q_pos, i64(1, 1, -1, 1)), i64(1, Hkv, 1, D))  # [1, Hkv, T, D]
+        self.minus_inf = b.const(np.float32(-np.inf))
+
+    def _i64(self, *v):
+        return self.b.const(list(v), dtype=np.int64)
+
+    def attend(self, i: int, q: str, k_new: str, v_new: str) -> str:
+        """q [1, H, T, D] (roped, scaled), the layer's new k/v [1, Hkv, T, D] -> [T, H*D]."""
+        b, cfg, i64 = self.b, self.cfg, self._i64
+        Hkv, H, D = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+        k_all, v_all = (b.op("Reshape", b.op("ScatterElements", b.op("Slice", f"past_{n}_{i}", i64(0), self.W, i64(2)),
+                                             self.slots, new, axis=2), i64(Hkv, -1, D))
+                        for n, new in (("k", k_new), ("v", v_new)))
+        q = b.op("Reshape", q, i64(Hkv, -1, D))  # grouped by kv head
+        att = b.op("Reshape", _attention(b, q, k_all, v_all, self.mask, self.minus_inf), i64(H, -1, D))
+        return b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
+
+    def logit_rows(self, x: str) -> str:
+        b, i64 = self.b, self._i64
+        start = b.op("Sub", self.T, b.op("Reshape", "num_logits", i64(1)))
+        return b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", self.T), i64(1)), i64(0))
+
+    def inputs(self) -> list:
+        cfg = self.cfg
+        kv = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT,  # noqa: E731
+                                                     [1, cfg.num_kv_heads, "R", cfg.head_dim])
+        out = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
+               helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
+               helper.make_tensor_value_info("window", TensorProto.INT64, []),
+               helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
+        for i in range(cfg.num_layers):
+            out += [kv(f"past_k_{i}"), kv(f"past_v_{i}")]
+        return out
 
 
 class _FloatWeights:
@@ -176,17 +219,10 @@ class _FloatWeights:
         return self._source.get(name).numpy()
 
 
-def _make_model(b: Builder, cfg) -> onnx.ModelProto:
+def _make_model(b: Builder, cfg, inputs: list) -> onnx.ModelProto:
     f = TensorProto.FLOAT
-    kv = lambda n, length: helper.make_tensor_value_info(n, f, [1, cfg.num_kv_heads, length, cfg.head_dim])  # noqa
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
-              helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
-              helper.make_tensor_value_info("window", TensorProto.INT64, []),
-              helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
     outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.logits_vocab]),
                helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T", cfg.head_dim])]
-    for i in range(cfg.num_layers):
-        inputs += [kv(f"past_k_{i}", "R"), kv(f"past_v_{i}", "R")]
     graph = helper.make_graph(b.nodes, "hetero_sd_llama", inputs, outputs, b.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                    helper.make_opsetid("com.microsoft", 1)],

@@ -51,38 +51,59 @@ class OrtBackend:
         return OrtRunner(model, info, prec, kv_budget_bytes, progress)
 
 
-def export_onnx(model: ModelIR, precision: str, progress=None):
+def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = False):
     """The model's ONNX file for this precision, built once and cached; the
-    weights stream to an external file tensor by tensor (onnx_weights.py)."""
+    weights stream to an external file tensor by tensor (onnx_weights.py).
+    batched: the graph for several sequences per call (onnx_batch.py)."""
     import onnx
     import onnxruntime as ort
 
     head = {"head": model.config.output_vocab} if model.config.output_vocab else {}
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
-                       onnx=onnx.__version__, ort=ort.__version__, **head)
+                       onnx=onnx.__version__, ort=ort.__version__, **head, **({"batched": 1} if batched else {}))
 
     def build(path):
         if progress is not None:
-            progress(0, 0, f"lowering to ONNX, {precision} weights (once; cached)")
-        build_llama_onnx(model, precision, path, progress)
+            progress(0, 0, f"lowering to ONNX{' (batched graph)' if batched else ''}, {precision} weights "
+                           "(once; cached)")
+        build_llama_onnx(model, precision, path, progress, batched=batched)
 
     return cached(folder, "model.onnx", build)
 
 
 class OrtRunner(GraphRunner):
+    max_batch = 32  # sequences per batched call (the serving engine's running set is split above it)
+
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  progress=None):
-        import onnxruntime as ort
 
         super().__init__(model, info, precision, kv_budget_bytes,
                          pad_single_row=precision.name in ("int8", "int4", "gguf"))
-        path = export_onnx(model, precision.name, progress)
+        self._model, self._progress = model, progress
+        self._session = self._open(export_onnx(model, precision.name, progress))
+        self._outputs = [o.name for o in self._session.get_outputs()]
+        self._batch_session = None
+
+    def _open(self, path):
+        import onnxruntime as ort
+
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = len(os.sched_getaffinity(0))
         opts.log_severity_level = 3
-        provider = next((p for p, d in _PROVIDERS.items() if info.device.startswith(d)), "CPUExecutionProvider")
-        self._session = ort.InferenceSession(str(path), opts, providers=[provider])
-        self._outputs = [o.name for o in self._session.get_outputs()]
+        provider = next((p for p, d in _PROVIDERS.items() if self.device.device.startswith(d)),
+                        "CPUExecutionProvider")
+        return ort.InferenceSession(str(path), opts, providers=[provider])
+
+    def prepare_batch(self) -> None:
+        """Build (once, cached on disk) and open the batched graph: a server calls
+        this at start so its first batched step does not pay for it."""
+        if self._batch_session is None:
+            self._batch_session = self._open(export_onnx(self._model, self.precision.name, self._progress,
+                                                         batched=True))
 
     def _infer(self, feeds: dict, past: dict) -> list:
         return self._session.run(self._outputs, feeds | past)
+
+    def _infer_batch(self, feeds: dict) -> list:
+        self.prepare_batch()
+        return self._batch_session.run(self._outputs, feeds)

@@ -6,12 +6,13 @@ pool pre-allocated to the configured budget. Device quirks stay in this file.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
+from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, PrecisionInfo, resolve
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
 from hetero_sd.backends.torch_numerics import RowStableLinear
 from hetero_sd.ir.errors import BackendError
@@ -123,6 +124,28 @@ class TorchRunner(PooledRunner):
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         return self._run(seq_id, tokens, start, num_logits).cpu().numpy()
+
+    max_batch = 64  # sequences per batched call
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """Several sequences in one pass (Forward.forward_batch). Rows whose logits
+        are all returned run the batch-invariant kernels, as in forward; a
+        prefill among them (fewer logits than rows) takes its own call, as alone."""
+        solo = [it for it in items if it.num_logits != len(it.tokens)]
+        together = [it for it in items if it.num_logits == len(it.tokens)]
+        out = {id(it): self.forward(it.seq_id, it.tokens, it.start, it.num_logits) for it in solo}
+        if together:
+            with ExitStack() as stack:
+                seqs = []
+                for it in together:
+                    ext = stack.enter_context(self._alloc.writing(it.seq_id, it.start, len(it.tokens)))
+                    region = slice(ext.offset, ext.offset + ext.reserved)
+                    ids = torch.as_tensor(np.asarray(it.tokens, dtype=np.int64), device=self._torch_device)
+                    seqs.append((ids, it.start, self._k[:, :, region], self._v[:, :, region], it.num_logits))
+                logits = self._forward.forward_batch(seqs, self.precision.batch_invariant)
+            out.update({id(it): row.cpu().numpy() for it, row in zip(together, logits)})
+        return [out[id(it)] for it in items]
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self._run(seq_id, tokens, start, num_logits).argmax(-1).tolist()

@@ -7,6 +7,7 @@ defines what every backend must compute (tested against transformers).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -247,20 +248,34 @@ class Forward(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, start: int, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, num_logits: int = 1, exact: bool = False) -> torch.Tensor:
+        return self.forward_batch([(tokens, start, k_cache, v_cache, num_logits)], exact)[0]
+
+    def forward_batch(self, seqs: list[tuple], exact: bool = False) -> list[torch.Tensor]:
+        """Several sequences in one pass: `seqs` holds forward's (tokens, start,
+        k_cache, v_cache, num_logits) per sequence. The linear layers run on all
+        rows at once (weights read once); attention runs per sequence over its
+        own cache. With exact=True every row rounds as in a call of its own."""
         exact = exact and self._exact_mm is not None
         mm = self._exact_mm if exact else F.linear
-        n = tokens.shape[0]
-        x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
-        rope = self._rope(start, n)
-        mask = None if exact else self._mask(start, n)  # no mask: attention row by row
+        x = F.embedding(torch.cat([s[0] for s in seqs]) if len(seqs) > 1 else seqs[0][0],
+                        self.w["model.embed_tokens.weight"])
+        segs, off = [], 0
+        for tokens, start, k_cache, v_cache, num_logits in seqs:
+            n = tokens.shape[0]
+            # no mask: attention row by row
+            segs.append(_Segment(off, n, start, k_cache, v_cache, num_logits, None if exact else self._mask(start, n)))
+            off += n
+        ropes = [self._rope(s.start, s.n) for s in segs]
+        rope = tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*ropes))
         for i in range(self.cfg.num_layers):
-            x = self._layer(i, x, start, rope, k_cache[i], v_cache[i], mm, mask)
-        h = self._norm(x[n - num_logits:], self.w["model.norm.weight"])
-        return mm(h, self.lm_head).float()
+            x = self._layer(i, x, segs, rope, mm)
+        rows = [x[s.off + s.n - s.num_logits:s.off + s.n] for s in segs]
+        h = self._norm(torch.cat(rows) if len(rows) > 1 else rows[0], self.w["model.norm.weight"])
+        return list(mm(h, self.lm_head).float().split([s.num_logits for s in segs]))
 
-    def _layer(self, i, x, start, rope, k_cache, v_cache, mm, mask):
+    def _layer(self, i, x, segs, rope, mm):
         cfg, p, (cos, sin) = self.cfg, f"model.layers.{i}.", rope
-        n, end = x.shape[0], start + x.shape[0]
+        n = x.shape[0]
         h = self._norm(x, self.w[p + "input_layernorm.weight"])
         q = self._linear(mm, h, p + "self_attn.q_proj", cfg.attention_bias)
         k = self._linear(mm, h, p + "self_attn.k_proj", cfg.attention_bias)
@@ -268,10 +283,29 @@ class Forward(torch.nn.Module):
         q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         q = q * cos + _rotate_half(q) * sin
-        k_cache[:, start:end] = k * cos + _rotate_half(k) * sin
-        v_cache[:, start:end] = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        att = self._attend(q, k_cache, v_cache, start, mask)
+        k = k * cos + _rotate_half(k) * sin
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        atts = []
+        for s in segs:
+            rows = slice(s.off, s.off + s.n)
+            k_cache, v_cache = s.k_cache[i], s.v_cache[i]
+            k_cache[:, s.start:s.start + s.n] = k[:, rows]
+            v_cache[:, s.start:s.start + s.n] = v[:, rows]
+            atts.append(self._attend(q[:, rows], k_cache, v_cache, s.start, s.mask))
+        att = torch.cat(atts, dim=1) if len(atts) > 1 else atts[0]
         x = x + self._linear(mm, att.transpose(0, 1).reshape(n, -1), p + "self_attn.o_proj")
         h = self._norm(x, self.w[p + "post_attention_layernorm.weight"])
         gate = F.silu(self._linear(mm, h, p + "mlp.gate_proj"))
         return x + self._linear(mm, gate * self._linear(mm, h, p + "mlp.up_proj"), p + "mlp.down_proj")
+
+
+@dataclass
+class _Segment:
+    """One sequence's rows [off, off+n) of a batched pass, at positions [start, start+n)."""
+    off: int
+    n: int
+    start: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_logits: int
+    mask: torch.Tensor | None

@@ -1,0 +1,95 @@
+"""Runner.forward_batch: several sequences' rows in one call, each row bitwise
+equal to the same rows run in a call of their own (the lossless condition for
+continuous batching), on every backend that declares a batched forward; and
+run_batch's fallback for a runner without one."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hetero_sd.backends.base import BatchItem, batch_capacity, run_batch
+from hetero_sd.backends.registry import discover
+from hetero_sd.ir import load_model_ir
+from helpers.tiny_models import random_prompt
+
+REGISTRY = discover()
+CASES = [("torch", "fp32", "llama"), ("torch", "fp32", "mistral-swa"),
+         ("onnxruntime", "fp32", "llama"), ("onnxruntime", "int4", "llama-tied"),
+         ("onnxruntime", "int8", "qwen2"), ("onnxruntime", "fp32", "mistral-swa")]
+
+
+def _load(backend, folder, precision):
+    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 8 << 20)
+
+
+def _batch(runner, rng, trial):
+    """2..9 sequences with random capacities, prompt lengths and row counts."""
+    items = []
+    for b in range(rng.randint(2, 9)):
+        cap = rng.choice([33, 40, 64, 100])
+        plen = rng.randint(1, cap - 12)
+        seq = runner.allocate(cap)
+        runner.forward(seq, random_prompt(plen, seed=trial * 100 + b), 0, 1)
+        n = rng.randint(1, 9)
+        items.append(BatchItem(seq, random_prompt(n, seed=trial * 1000 + b), plen, n if rng.random() < 0.8
+                               else rng.randint(1, n)))
+    return items
+
+
+@pytest.mark.parametrize("backend,precision,variant", CASES)
+def test_batched_rows_equal_solo_rows_bitwise(tiny_model_dir, backend, precision, variant):
+    runner = _load(backend, tiny_model_dir(variant), precision)
+    assert batch_capacity(runner) > 1
+    rng = random.Random(7)
+    for trial in range(5):
+        items = _batch(runner, rng, trial)
+        solo = []
+        for it in items:
+            solo.append(runner.forward(it.seq_id, it.tokens, it.start, it.num_logits))
+            runner.truncate(it.seq_id, it.start)
+        batched = runner.forward_batch(items)
+        for it, a, b in zip(items, solo, batched):
+            assert b.shape == (it.num_logits, runner.vocab_size)
+            assert np.array_equal(a, b), f"trial {trial}: {len(it.tokens)} rows differ by {np.abs(a - b).max()}"
+        # the KV the batch wrote is the KV a solo call writes: the next step agrees too
+        nxt = [BatchItem(it.seq_id, [5], it.start + len(it.tokens), 1) for it in items]
+        after_batch = runner.forward_batch(nxt)
+        for it, want in zip(nxt, after_batch):
+            runner.truncate(it.seq_id, it.start)
+            assert runner.length(it.seq_id) == it.start
+            assert np.array_equal(runner.forward(it.seq_id, it.tokens, it.start, 1), want)
+        for it in items:
+            runner.release(it.seq_id)
+
+
+def test_failed_batch_claims_no_position(tiny_model_dir):
+    """A batch that cannot write (one sequence past its reservation) leaves every
+    sequence's length where it was."""
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32")
+    a, b = runner.allocate(40), runner.allocate(8)
+    runner.forward(a, [1, 2, 3], 0, 1)
+    runner.forward(b, [1, 2, 3], 0, 1)
+    with pytest.raises(Exception, match="reserved"):
+        runner.forward_batch([BatchItem(a, [4, 5], 3, 2), BatchItem(b, list(range(40)), 3, 40)])  # b holds 32 (a whole block)
+    assert (runner.length(a), runner.length(b)) == (3, 3)
+
+
+class _Plain:
+    """A runner with no batched forward: run_batch loops over forward."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, seq_id, tokens, start, num_logits):
+        self.calls.append(seq_id)
+        return np.full((num_logits, 4), float(seq_id))
+
+
+def test_run_batch_falls_back_to_one_call_per_sequence():
+    runner = _Plain()
+    assert batch_capacity(runner) == 1
+    out = run_batch(runner, [BatchItem(3, [1], 0, 1), BatchItem(9, [1, 2], 0, 2)])
+    assert runner.calls == [3, 9]
+    assert [o.shape for o in out] == [(1, 4), (2, 4)] and out[1][0, 0] == 9.0
