@@ -220,6 +220,10 @@ class _Run:
         self.seq = target.allocate(self.capacity)
         self.pos = self.synced = 0  # positions in the target's cache; tokens the drafter was told
         self.constrainer = None  # hetero_sd.constraint.rounds.Constrainer when the output has a grammar
+        # Whether the draft-length policy learns from timings. Off, its choices
+        # depend on acceptance alone, so a seeded sampled request draws the same
+        # tokens whatever runs beside it (the batching server).
+        self.timed = True
 
     def constrain(self, guide, eos_ids: set[int], model_vocab: int) -> None:
         from hetero_sd.constraint.rounds import Constrainer
@@ -319,8 +323,8 @@ class _Run:
         stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, \
             stats.accepted + accepted
         stats.count_positions(drafted, accepted)
-        if self._take_events():  # a target swap in the verify: its time teaches no cost
-            verify_s = None
+        if self._take_events() or not self.timed:  # a target swap in the verify: its time teaches no cost
+            draft_s = verify_s = None
         if speculating:  # (target-only rounds feed no policy)
             self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
             self.drafter.observe(drafted, accepted)

@@ -210,6 +210,7 @@ class BatchEngine:
             policy = copy.deepcopy(engine.policy)  # learnt costs carried over, acceptance per request
             policy.reset()
         run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, None, drafter, policy)
+        run.timed = req.sampling.greedy  # sampled: draft lengths from acceptance alone, so a seed reproduces
         return _Live(handle, run, TextStream(run.stopper))
 
     def _step(self, admitted: list[_Live]) -> None:
