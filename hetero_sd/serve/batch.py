@@ -217,7 +217,11 @@ class BatchEngine:
         for live in admitted:
             if live.handle.cancelled:
                 continue
-            done = live.run.start()  # the prefill: alone, as a solo run makes it
+            try:
+                done = live.run.start()  # the prefill: alone, as a solo run makes it
+            except HeteroSDError as exc:  # this request's failure alone (the others go on)
+                self._end(live, "error", str(exc))
+                continue
             live.started = True
             self._publish(live, done)
         for live in [x for x in self._running if x.handle.cancelled]:
