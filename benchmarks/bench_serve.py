@@ -193,6 +193,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
+def _accepted(metrics: dict | None) -> str:
+    return f"{metrics['acceptance']:.0%}" if metrics and "acceptance" in metrics else "-"
+
+
 def table_rows(results: dict[str, dict[int, dict]]) -> list[list[str]]:
     """One row per level and server: the figures of the printed table, as text."""
     levels = sorted({lv for by in results.values() for lv in by})
@@ -209,12 +213,12 @@ def table_rows(results: dict[str, dict[int, dict]]) -> list[list[str]]:
                          _ms(s["tpot_s"]["p50"]), _ms(s["tpot_s"]["p99"]),
                          _ms(s["e2e_s"]["p50"]), _ms(s["e2e_s"]["p99"]),
                          "-" if tps is None else f"{tps:.1f}",
-                         f"{tps / ref:.2f}x" if tps and ref else "-"])
+                         f"{tps / ref:.2f}x" if tps and ref else "-", _accepted(s.get("metrics"))])
     return rows
 
 
 HEADER = ["C", "server", "done/failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-          "E2E p50 ms", "E2E p99 ms", "out tok/s", "vs lowest C"]
+          "E2E p50 ms", "E2E p99 ms", "out tok/s", "vs lowest C", "accepted"]
 
 
 def render(results: dict[str, dict[int, dict]]) -> str:
@@ -318,9 +322,17 @@ def scrape_acceptance(base: str) -> dict | None:
             for key in ("num_draft_tokens", "num_accepted_tokens"):
                 if name.endswith("spec_decode_" + key):
                     got[key] = got.get(key, 0) + sample.value
+    return got or None
+
+
+def acceptance(before: dict | None, after: dict | None) -> dict | None:
+    """The counters' growth over the level (the warm-up excluded) and accepted / drafted."""
+    if not after:
+        return None
+    got = {k: v - (before or {}).get(k, 0) for k, v in after.items()}
     if got.get("num_draft_tokens"):
         got["acceptance"] = got.get("num_accepted_tokens", 0) / got["num_draft_tokens"]
-    return got or None
+    return got
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -340,24 +352,28 @@ def measure(name: str, level: int, prompts: list[str], opts, logdir: Path) -> di
     port = free_port()
     log = logdir / f"{name}-c{level}.log"
     argv = server_argv(name, port, opts)
-    usage = name != "peer"  # llama_cpp.server has no stream_options (pydantic drops the field)
     t0 = time.perf_counter()
+    load = os.getloadavg()  # the host is shared: its load average says how much of it we had
     try:
         with serving(argv, port, log, opts.ready_timeout) as (base, model):
             ready_s = time.perf_counter() - t0
-            # Warm-up, not counted: first-call allocations and caches are not the load's cost.
-            asyncio.run(run_level(f"{base}/v1", model, prompts, 1, 1, 8, opts.request_timeout,
-                                  opts.request_timeout, usage))
-            results, wall = asyncio.run(run_level(f"{base}/v1", model, prompts, level, requests_for(level, opts),
-                                                  opts.max_tokens, opts.level_timeout, opts.request_timeout,
-                                                  usage))
-            summary = summarize(results, wall)
-            if name != "peer":
-                summary["metrics"] = scrape_acceptance(base)
+            summary = _load(name, base, model, level, prompts, opts)
     except RuntimeError as exc:  # a server that did not start: reported, the run goes on
         return {**summarize([], 0.0), "error": str(exc)[-1500:], "argv": argv}
-    # The host is shared: its load average says how much of it this level had.
-    summary.update(argv=argv, ready_s=ready_s, log=str(log), loadavg_after=os.getloadavg())
+    summary.update(argv=argv, ready_s=ready_s, log=str(log), loadavg_before=load, loadavg_after=os.getloadavg())
+    return summary
+
+
+def _load(name: str, base: str, model: str, level: int, prompts: list[str], opts) -> dict:
+    usage = name != "peer"  # llama_cpp.server has no stream_options (pydantic drops the field)
+    # Warm-up, not counted: first-call allocations and caches are not the load's cost.
+    asyncio.run(run_level(f"{base}/v1", model, prompts, 1, 1, 8, opts.request_timeout, opts.request_timeout, usage))
+    before = scrape_acceptance(base) if usage else None
+    results, wall = asyncio.run(run_level(f"{base}/v1", model, prompts, level, requests_for(level, opts),
+                                          opts.max_tokens, opts.level_timeout, opts.request_timeout, usage))
+    summary = summarize(results, wall)
+    if usage:
+        summary["metrics"] = acceptance(before, scrape_acceptance(base))
     return summary
 
 
@@ -365,7 +381,7 @@ def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

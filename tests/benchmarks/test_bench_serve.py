@@ -126,7 +126,7 @@ def _level(tok_s, done=4):
 
 
 def test_table_and_ratios():
-    results = {"spec": {1: _level(100.0), 8: _level(400.0)}, "nospec": {1: _level(50.0), 8: _level(None, 0)},
+    results = {"spec": {1: _level(100.0), 8: {**_level(400.0), "metrics": {"acceptance": 0.75}}}, "nospec": {1: _level(50.0), 8: _level(None, 0)},
                "peer": {1: _level(80.0), 8: _level(80.0)}}
     r = bench.ratios(results)
     assert r[1] == {"ours spec / llama.cpp": pytest.approx(1.25), "ours no-spec / llama.cpp": pytest.approx(0.625)}
@@ -134,7 +134,7 @@ def test_table_and_ratios():
     rows = bench.table_rows(results)
     assert [row[:2] for row in rows] == [["1", "ours spec"], ["1", "ours no-spec"], ["1", "llama.cpp"],
                                          ["8", "ours spec"], ["8", "ours no-spec"], ["8", "llama.cpp"]]
-    assert rows[3][-2:] == ["400.0", "4.00x"] and rows[4][-2:] == ["-", "-"] and rows[0][3] == "10"
+    assert rows[3][-3:] == ["400.0", "4.00x", "75%"] and rows[4][-3:] == ["-", "-", "-"] and rows[0][3] == "10"
     text = bench.render(results)
     assert len({line.count("|") for line in text.splitlines() if line.startswith("|")}) == 1
     assert "C=8: ours spec / llama.cpp 5.00x" in text
@@ -153,8 +153,11 @@ def test_load_loop_against_a_fake_sse_server(fake_server):
     # No usage asked (llama.cpp): tokens from finish_reason "length" or the chunks.
     results, _ = asyncio.run(bench.run_level(f"{fake_server}/v1", "fake", ["a"], 2, 2, 3, 30, 30, False))
     assert [(r.ok, r.tokens, r.tokens_from) for r in results] == [(True, 3, "length")] * 2
-    assert bench.scrape_acceptance(fake_server) == {"num_draft_tokens": 10, "num_accepted_tokens": 4,
-                                                   "acceptance": 0.4}
+    assert bench.scrape_acceptance(fake_server) == {"num_draft_tokens": 10, "num_accepted_tokens": 4}
+    assert bench.acceptance({"num_draft_tokens": 2, "num_accepted_tokens": 1},
+                            {"num_draft_tokens": 10, "num_accepted_tokens": 4}) == {
+        "num_draft_tokens": 8, "num_accepted_tokens": 3, "acceptance": 3 / 8}
+    assert bench.acceptance(None, None) is None
 
 
 def test_requests_stop_at_the_time_limit(fake_server):
@@ -180,7 +183,7 @@ def test_server_lifecycle_and_a_whole_run(tmp_path, monkeypatch, capsys):
         for level in ("1", "2"):
             s = report["results"][name][level]
             assert (s["done"], s["failed"], s["output_tokens"], s["tokens_from"]) == (3, 0, 12, source)
-    assert report["results"]["spec"]["1"]["metrics"]["acceptance"] == 0.4
+    assert report["results"]["spec"]["1"]["metrics"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0}
     assert set(report["ratios"]) == {"1", "2"} and report["meta"]["requests_per_level"] == {"1": 3, "2": 3}
     assert "| 2 | llama.cpp | 3/0 |" in capsys.readouterr().out
 
