@@ -10,6 +10,8 @@ about what the others gain per row, and speculation turns itself down
 """
 from __future__ import annotations
 
+from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
+
 
 class BatchCost:
     def __init__(self, decay: float = 0.98, prior_fixed: float = 1.0, prior_per_row: float = 0.1):
@@ -46,3 +48,9 @@ class BatchCost:
         """Seconds of a call attributable to one sequence of `rows` rows among `batch`."""
         fixed, per_row = self.fit()
         return fixed / max(1, batch) + per_row * rows
+
+    def round_cost(self, batch: int, draft_s_per_token: float = 0.0) -> RoundCost:
+        """One request's round in a batch of `batch`, as a draft-length policy prices it."""
+        fixed, per_row = self.fit()
+        return RoundCost(verify=CostCurve.affine(fixed / max(1, batch), per_row),
+                         draft=CostCurve.affine(0.0, max(0.0, draft_s_per_token)))

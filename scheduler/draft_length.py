@@ -202,6 +202,12 @@ class AdaptiveDraftLength:
     def round_cost(self) -> RoundCost:
         return RoundCost(self._verify.snapshot(self.k_max + 1), self._draft.snapshot(self.k_max))
 
+    def set_cost(self, cost: RoundCost) -> None:
+        """Replace the cost curves (what was learnt about them is dropped; acceptance
+        is kept): a batching server prices a request's rows by the batch it runs in."""
+        self._verify, self._draft = OnlineCurve(cost.verify), OnlineCurve(cost.draft)
+        self._choice = None  # decide again with the new prices
+
     def _decide(self) -> int:
         if self._choice is None:
             self._choice = self.round_cost().best_k(self.acceptance(), self.k_max, self.hit_rate)[0]

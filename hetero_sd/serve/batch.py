@@ -98,6 +98,7 @@ class BatchEngine:
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
         self.on_finish = on_finish
         self.cost = BatchCost()
+        self._draft_s_per_token = 0.0
         self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
         self._running: list[_Live] = []
         self._cond = threading.Condition()
@@ -105,6 +106,9 @@ class BatchEngine:
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
         self.steps = 0
+        prepare = getattr(self.target.current, "prepare_batch", None)
+        if prepare is not None:  # the batched graph, built (cached) and opened now, not on the first step
+            prepare()
 
     # ------------------------------------------------------------ any thread
     @property
@@ -210,7 +214,11 @@ class BatchEngine:
             policy = copy.deepcopy(engine.policy)  # learnt costs carried over, acceptance per request
             policy.reset()
         run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, None, drafter, policy)
-        run.timed = req.sampling.greedy  # sampled: draft lengths from acceptance alone, so a seed reproduces
+        # Draft lengths are priced by the batch cost model (_price), not by this
+        # request's own timings; a sampled request keeps its policy's fixed prior,
+        # so its draft lengths follow acceptance alone and a seed reproduces
+        # whatever runs beside it.
+        run.timed = False
         return _Live(handle, run, TextStream(run.stopper))
 
     def _step(self, admitted: list[_Live]) -> None:
@@ -226,6 +234,7 @@ class BatchEngine:
             self._publish(live, done)
         for live in [x for x in self._running if x.handle.cancelled]:
             self._end(live, "cancelled")
+        self._price()
         batch = []
         for live in [x for x in self._running if x.started]:
             rnd = live.run.plan()
@@ -242,10 +251,25 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         self.cost.observe(rows, seconds)
         self.steps += 1
+        drafted = sum(len(r.drafts) for _, r in batch)
+        if drafted:
+            spent = sum(r.draft_s or 0.0 for _, r in batch)
+            self._draft_s_per_token = 0.9 * self._draft_s_per_token + 0.1 * spent / drafted
         for (live, rnd), out in zip(batch, logits):
             share = self.cost.share(len(rnd.tokens), len(batch))
             done = live.run.finish(rnd, live.run.score_logits(out), verify_s=share)
             self._publish(live, done)
+
+    def _price(self) -> None:
+        """Give every greedy request's draft-length policy the cost of a round in
+        this batch: alone, drafts ride on the weight reads the call makes anyway;
+        beside many others each draft row costs about what a committed row does,
+        and the policy drafts less or stops (hetero_sd.scheduler.batch_cost)."""
+        cost = self.cost.round_cost(len(self._running), self._draft_s_per_token)
+        for live in self._running:
+            policy = live.run.policy
+            if live.run.sampler is None and hasattr(policy, "set_cost"):
+                policy.set_cost(cost)
 
     def _publish(self, live: _Live, done: bool) -> None:
         tokens = live.run.stopper.tokens
