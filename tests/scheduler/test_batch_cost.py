@@ -33,11 +33,14 @@ def test_share_and_draft_length_shrink_as_the_batch_grows():
     for rows in range(1, 80):
         cost.observe(rows, 0.010 + 0.0015 * rows)
     assert cost.share(3, 1) > cost.share(3, 8) > cost.share(3, 32)
-    chosen = []
-    for batch in (1, 4, 16, 32):
-        policy = AdaptiveDraftLength(8)
-        for _ in range(20):  # a request whose drafts are accepted half the time
-            policy.observe(4, 2)
-        policy.set_cost(cost.round_cost(batch, draft_s_per_token=1e-5))
-        chosen.append(policy.next_k(100))
-    assert chosen[0] >= 2 and chosen == sorted(chosen, reverse=True) and chosen[-1] == 0
+    for pattern, off_at_32 in (((4, 2),), False), (((4, 1), (4, 0), (4, 1)), True):
+        chosen = []
+        for batch in (1, 4, 16, 32):
+            policy = AdaptiveDraftLength(8)
+            for _ in range(10):
+                for drafted, accepted in pattern:
+                    policy.observe(drafted, accepted)
+            policy.set_cost(cost.round_cost(batch, draft_s_per_token=1e-5))
+            chosen.append(policy.next_k(100))
+        assert chosen[0] >= 1 and chosen == sorted(chosen, reverse=True) and chosen[-1] < chosen[0], chosen
+        assert (chosen[-1] == 0) == off_at_32, chosen
