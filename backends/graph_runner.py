@@ -105,40 +105,49 @@ class GraphRunner(PooledRunner):
     def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
         """Several sequences in one call of the batched graph (onnx_batch.py): every
         row rounds as it would in its sequence's own forward."""
+        rows = [(list(it.tokens), list(range(it.start, it.start + len(it.tokens))), it.num_logits)
+                for it in items]
+        if self._pad_single_row and len(items) == 1 and len(items[0].tokens) == 1:
+            # one row alone would take the one-row kernel: run the row twice,
+            # at the same position (both write the same K/V), keep the first
+            (tok,), (pos,), _ = rows[0]
+            rows = [([tok, tok], [pos, pos], 2)]
         with ExitStack() as stack:
             for it in items:
                 stack.enter_context(self._alloc.writing(it.seq_id, it.start, len(it.tokens)))
-            feeds, offsets = self._batch_feeds(items)
+            feeds, offsets = self._batch_feeds(items, rows)
             logits, new_kv = self._infer_batch(feeds)
             for it, off in zip(items, offsets):
                 n = len(it.tokens)
                 self._slabs[it.seq_id][:, :, :, it.start:it.start + n] = new_kv[:, :, :, off:off + n]
         out, row = [], 0
-        for it in items:
-            out.append(np.array(logits[row:row + it.num_logits]))
-            row += it.num_logits
+        for it, (_, _, computed) in zip(items, rows):
+            out.append(np.array(logits[row:row + it.num_logits]))  # a copy: runtimes reuse output buffers
+            row += computed
         return out
 
-    def _batch_feeds(self, items: Sequence[BatchItem]) -> tuple[dict, list[int]]:
-        n = np.array([len(it.tokens) for it in items], dtype=np.int64)
-        start = np.array([it.start for it in items], dtype=np.int64)
-        logits = np.array([it.num_logits for it in items], dtype=np.int64)
+    def _batch_feeds(self, items: Sequence[BatchItem], rows: list[tuple]) -> tuple[dict, list[int]]:
+        """The batched graph's inputs; rows: (tokens, positions, logits computed) per item."""
+        n = np.array([len(r[0]) for r in rows], dtype=np.int64)
+        logits = np.array([r[2] for r in rows], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(n)[:-1]])
+        positions = np.concatenate([np.asarray(r[1], dtype=np.int64) for r in rows])
         tmax = int(n.max())
         t = np.minimum(np.arange(tmax)[None, :], n[:, None] - 1)  # padding repeats the last row
+        pad_rows = offsets[:, None] + t
         exts = [self._alloc.extent(it.seq_id) for it in items]
         reserved = np.array([e.reserved for e in exts], dtype=np.int64)[:, None, None]
         base = np.array([e.offset * self._per_pos // self._head_dim for e in exts], dtype=np.int64)[:, None, None]
-        window = _round_up(int((start + n).max()), self.WINDOW_BLOCK)
+        window = min(_round_up(int(positions.max()) + 1, self.WINDOW_BLOCK), int(reserved.max()))
         slot = np.minimum(np.arange(window)[None, None, :], reserved - 1)  # past a slab's end: masked
         heads = np.arange(self._kv_heads, dtype=np.int64)[None, :, None]
-        feeds = {"input_ids": np.fromiter((tok for it in items for tok in it.tokens), np.int64, int(n.sum())),
-                 "positions": np.concatenate([np.arange(s, s + k) for s, k in zip(start, n)]),
+        feeds = {"input_ids": np.fromiter((tok for r in rows for tok in r[0]), np.int64, int(n.sum())),
+                 "positions": positions,
                  "pool": self._pool.reshape(-1, self._head_dim),
                  "kv_index": base + heads * reserved + slot,
                  "kv_stride": self._kv_heads * reserved,
-                 "pad_rows": (offsets[:, None] + t).ravel(),
-                 "q_pos_pad": start[:, None] + t,
+                 "pad_rows": pad_rows.ravel(),
+                 "q_pos_pad": positions[pad_rows],
                  "unpad_rows": np.concatenate([b * tmax + np.arange(k) for b, k in enumerate(n)]),
                  "logit_rows": np.concatenate([o + k - m + np.arange(m) for o, k, m in zip(offsets, n, logits)])}
         return feeds, offsets.tolist()

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
+from typing import Sequence
+
+import numpy as np
+
+from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, PrecisionInfo, resolve
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.onnx_llama import GRAPH_VERSION, build_llama_onnx
@@ -72,17 +76,19 @@ def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = F
 
 
 class OrtRunner(GraphRunner):
-    max_batch = 32  # sequences per batched call (the serving engine's running set is split above it)
+    """Every call, one sequence or several, runs the batched graph (onnx_batch.py):
+    one session and one copy of the weights, and a row rounds alike alone or in
+    any batch because it is the same graph (measured as fast as the one-sequence
+    graph for one sequence)."""
+
+    max_batch = 32  # sequences per call (a server's running set is split above it)
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  progress=None):
-
         super().__init__(model, info, precision, kv_budget_bytes,
                          pad_single_row=precision.name in ("int8", "int4", "gguf"))
-        self._model, self._progress = model, progress
-        self._session = self._open(export_onnx(model, precision.name, progress))
+        self._session = self._open(export_onnx(model, precision.name, progress, batched=True))
         self._outputs = [o.name for o in self._session.get_outputs()]
-        self._batch_session = None
 
     def _open(self, path):
         import onnxruntime as ort
@@ -94,16 +100,8 @@ class OrtRunner(GraphRunner):
                         "CPUExecutionProvider")
         return ort.InferenceSession(str(path), opts, providers=[provider])
 
-    def prepare_batch(self) -> None:
-        """Build (once, cached on disk) and open the batched graph: a server calls
-        this at start so its first batched step does not pay for it."""
-        if self._batch_session is None:
-            self._batch_session = self._open(export_onnx(self._model, self.precision.name, self._progress,
-                                                         batched=True))
-
-    def _infer(self, feeds: dict, past: dict) -> list:
-        return self._session.run(self._outputs, feeds | past)
+    def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
+        return self.forward_batch([BatchItem(seq_id, tokens, start, num_logits)])[0]
 
     def _infer_batch(self, feeds: dict) -> list:
-        self.prepare_batch()
-        return self._batch_session.run(self._outputs, feeds)
+        return self._session.run(self._outputs, feeds)

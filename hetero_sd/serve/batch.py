@@ -106,9 +106,6 @@ class BatchEngine:
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
         self.steps = 0
-        prepare = getattr(self.target.current, "prepare_batch", None)
-        if prepare is not None:  # the batched graph, built (cached) and opened now, not on the first step
-            prepare()
 
     # ------------------------------------------------------------ any thread
     @property
