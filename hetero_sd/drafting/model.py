@@ -10,6 +10,7 @@ longest common prefix of what is cached and what is committed.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import numpy as np
@@ -29,7 +30,6 @@ class ModelDrafter(Drafter):
                  head_vocab: int | None = None):
         check_vocab(runner, target_vocab, draft_desc, head_vocab)
         self.runner, self.target_vocab = runner, target_vocab
-        self._args = (draft_desc, head_vocab)
         self._seq: int | None = None
         self.context: list[int] = []
         self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
@@ -38,7 +38,10 @@ class ModelDrafter(Drafter):
     def fork(self) -> "ModelDrafter":
         """An independent drafter for another concurrent sequence, sharing the draft
         runner (each holds its own sequence in the runner's pool)."""
-        return ModelDrafter(self.runner, self.target_vocab, *self._args)
+        clone = copy.copy(self)  # (drafters are constructed in drafting.build alone)
+        clone._seq = None  # the original's sequence stays the original's
+        clone.reset()
+        return clone
 
     def reset(self) -> None:
         if self._seq is not None:

@@ -1,6 +1,8 @@
 """Prompt lookup: draft what followed the latest earlier occurrence of the last n tokens."""
 from __future__ import annotations
 
+import copy
+
 from hetero_sd.drafting.base import Drafter, apply_delta
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
@@ -24,7 +26,9 @@ class NgramDrafter(Drafter):
 
     def fork(self) -> "NgramDrafter":
         """An independent drafter for another concurrent sequence (the batching server)."""
-        return NgramDrafter(self.min_ngram, self.max_ngram)
+        clone = copy.copy(self)  # (drafters are constructed in drafting.build alone)
+        clone.reset()  # a fresh context and index of its own
+        return clone
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()

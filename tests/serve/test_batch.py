@@ -128,3 +128,23 @@ def test_admission_errors_and_queue_bound(tiny_model_dir):
     with pytest.raises(QueueFull) as full:
         batch.submit(Request([1, 2, 3], 4), _Collector())
     assert full.value.retry_after >= 1
+
+
+def test_draft_model_forks_per_request(tiny_model_dir):
+    """A draft model serves concurrent requests: each fork holds its own sequence
+    in the shared draft runner, and outputs still equal target-only."""
+    from hetero_sd.drafting import ModelDrafter
+
+    folder = tiny_model_dir("llama")
+    engine = _engine(folder, "onnxruntime", "fp32", drafter=False)
+    draft_runner = REGISTRY.get("torch").load(load_model_ir(folder), "cpu", "fp32", 8 << 20)
+    engine = Engine(engine.target, ModelDrafter(draft_runner, engine.target.vocab_size), k=3,
+                    tokenizer=engine.tokenizer)
+    rng = random.Random(11)
+    requests = [Request(_prompt(rng, i), rng.randint(5, 20)) for i in range(6)]
+    _, collectors = _serve(engine, requests)
+    for req, c in zip(requests, collectors):
+        assert c.result.token_ids == engine.generate_ids(req.prompt_ids, req.max_new_tokens,
+                                                         target_only=True).token_ids
+        assert c.result.stats.accepted > 0  # the same weights draft: its drafts are accepted
+    assert draft_runner.usage().sequences == 0  # every fork released its sequence
