@@ -1,0 +1,346 @@
+"""The HTTP server: an OpenAI-compatible FastAPI app over a BatchEngine.
+
+    state = ServerState(engine, "smollm2-135m", max_running=16, max_waiting=64)
+    app = create_app(state)   # its lifespan starts the batch engine and closes the engine
+
+Requests become hetero_sd.serve.batch.Request objects; the batch engine calls
+back on its own thread with Events, which are handed to the request's asyncio
+queue with call_soon_threadsafe. A streamed response writes one SSE chunk per
+event with text (TextStream guarantees the deltas add up to the final text),
+so streamed and whole responses carry the same text.
+
+Every error is OpenAI's JSON error body with the right status: validation and
+request errors 400, a bad key 401, a full queue 429 with Retry-After, a
+draining server 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hetero_sd.errors import GenerationError, HeteroSDError
+from hetero_sd.sampling import SamplingParams
+from hetero_sd.serve import protocol as p
+from hetero_sd.serve.batch import BatchEngine, Event, QueueFull, Request, ShuttingDown
+from hetero_sd.serve.metrics import Metrics, placement
+
+log = logging.getLogger("hetero_sd.serve")
+
+POLL_S = 0.5  # how often a waiting response checks that its client is still there
+MAX_BODY = 8 * 2**20  # bytes; a request body past it is refused before it is read
+
+
+class ServerState:
+    """The engine, its batch engine and metrics, and whether the server is draining."""
+
+    def __init__(self, engine, model_name: str, *, max_running: int = 16, max_waiting: int = 64,
+                 api_key: str | None = None, drain_s: float = 30.0, speculate: bool = True):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.drain_s, self.speculate = drain_s, speculate
+        self.metrics = Metrics(model_name, **placement(engine))
+        self.batch = BatchEngine(engine, max_running=max_running, max_waiting=max_waiting,
+                                 on_finish=self.metrics.on_finish)
+        self.metrics.watch(self.batch)
+        self.created = p.now()
+        self.draining = False
+        self._lock = threading.Lock()
+        self._started = self._closed = False
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self.batch.start()
+
+    def drain(self) -> None:
+        """Stop admission and let running requests finish within drain_s (the rest end with
+        finish_reason "abort"); blocks until the batch engine stopped. Idempotent."""
+        with self._lock:  # a second caller waits for the first drain to end
+            if not self.draining:
+                self.draining = True
+                self.batch.shutdown(self.drain_s)
+
+    def close(self) -> None:
+        """Drain, then stop the engine's worker processes (their shared memory goes with them)."""
+        self.drain()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.close()
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        yield
+        await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="hetero-sd", lifespan=lifespan)
+    app.state.server = state
+    _errors(app)
+    _routes(app, state)
+    app.add_middleware(Guard, api_key=state.api_key)
+    return app
+
+
+# ------------------------------------------------------------------ errors
+def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
+    return JSONResponse(p.error_body(message, status, kind), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One readable line per offending field, never echoing the input (it may be huge)."""
+    seen, parts = set(), []
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = loc[0] if loc else "body"
+        if field in seen:  # a union reports one error per branch: the first says enough
+            continue
+        seen.add(field)
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {err.get('ctx', {}).get('error', msg)}"
+        parts.append(f"{field}: {msg}")
+    return "; ".join(parts[:5]) or "invalid request body"
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc):  # FastAPI says 422; OpenAI clients and vLLM say 400
+        return error(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                     "invalid_request_error", getattr(exc, "headers", None))
+
+    @app.exception_handler(GenerationError)
+    async def _bad_request(request, exc):
+        return error(400, str(exc))
+
+    @app.exception_handler(QueueFull)
+    async def _full(request, exc):
+        return error(429, str(exc), "rate_limit_error", {"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
+
+    @app.exception_handler(ShuttingDown)
+    async def _draining(request, exc):
+        return error(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(HeteroSDError)
+    async def _engine_error(request, exc):  # a config-level error raised while building a request
+        return error(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _bug(request, exc):  # a bug of ours: logged, and still a JSON body
+        log.exception("unhandled error")
+        return error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+class Guard:
+    """ASGI middleware run before any body is read: the API key (every path but /health) and
+    the body size bound, so an unauthenticated or oversized request costs nothing."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            refusal = self._refuse(scope["path"], headers)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refuse(self, path: str, headers: dict):
+        if self.api_key and path != "/health":
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return error(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                             "authentication_error", {"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > MAX_BODY:
+            return error(413, f"the request body must be at most {MAX_BODY} bytes")
+        return None
+
+
+# ------------------------------------------------------------------ routes
+def _routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "hetero-sd",
+                                            "max_model_len": state.batch.target.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: HTTPRequest):
+        _refuse_unsupported(body)
+        try:
+            prompt = body.single_prompt()
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
+        ids = state.engine.encode(prompt, chat_template=False) if isinstance(prompt, str) else \
+            _checked_ids(state, prompt)
+        return await _serve(state, request, "completion", body, ids, body.max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: p.ChatRequest, request: HTTPRequest):
+        _refuse_unsupported(body)
+        return await _serve(state, request, "chat", body, _chat_ids(state, body), body.budget)
+
+
+def _refuse_unsupported(body: p._Generate) -> None:
+    message = body.unsupported()
+    if message is not None:
+        raise GenerationError(message)
+
+
+def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
+    vocab = state.batch.target.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise GenerationError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    return ids
+
+
+def _chat_ids(state: ServerState, body: p.ChatRequest) -> list[int]:
+    tok = state.engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise GenerationError("this model has no chat template; use /v1/completions")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # the template's own checks (roles must alternate, ...) are the client's errors
+        raise GenerationError(f"the messages do not fit the model's chat template: {exc}") from None
+    # the same shape handling as Engine.encode: a BatchEncoding, a dict or a list
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _to_request(state: ServerState, body: p._Generate, ids: list[int], max_tokens: int | None) -> Request:
+    """A batch Request; absent fields take the engine's (the config's) defaults, as `generate` does."""
+    engine, base = state.engine, state.engine.sampling
+    top_k = base.top_k if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 means off
+    params = SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,
+                            base.top_p if body.top_p is None else body.top_p,
+                            base.seed if body.seed is None else body.seed)
+    stops = body.stops()
+    return Request(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
+                   list(engine.stop) if stops is None else stops, float(body.priority), state.speculate)
+
+
+class _Pending:
+    """One submitted request as the event loop sees it: its queue of Events."""
+
+    def __init__(self, state: ServerState, req: Request):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.done = False
+        # The batch engine calls back on its thread; the queue belongs to this loop.
+        self.handle = state.batch.submit(req, lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
+
+    async def next(self, request: HTTPRequest) -> Event | None:
+        """The next event; None once the client has gone."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            self.done = event.finish_reason is not None
+            return event
+
+    def close(self) -> None:
+        """Free the sequence of a request whose client left (a no-op once it finished)."""
+        if not self.done:
+            self.handle.cancel()
+
+
+async def _serve(state: ServerState, request: HTTPRequest, kind: p.Kind, body: p._Generate, ids: list[int],
+                 max_tokens: int | None):
+    req = _to_request(state, body, ids, max_tokens)
+    pending = _Pending(state, req)  # GenerationError / QueueFull / ShuttingDown: mapped by the handlers
+    rid = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
+    head = p.envelope(kind, rid, state.model_name, p.now(), body.stream)
+    if body.stream:
+        return StreamingResponse(_sse(pending, request, kind, head, len(ids), body.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _whole(pending, request, kind, head, len(ids))
+
+
+async def _whole(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int):
+    text = []
+    try:
+        while (event := await pending.next(request)) is not None:
+            text.append(event.text)
+            if event.finish_reason is not None:
+                break
+    finally:
+        pending.close()
+    if event is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    if event.finish_reason == "error":
+        return error(500, f"generation failed: {event.error}", "server_error")
+    result = event.result
+    return {**head, "choices": [p.choice(kind, "".join(text), p.FINISH.get(event.finish_reason, "stop"), False)],
+            "usage": p.usage(prompt_tokens, len(result.token_ids) if result else 0),
+            "speculation": p.speculation(result.stats if result else None)}
+
+
+def _sse(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int,
+         include_usage: bool):
+    def chunk(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def stream():
+        try:
+            if kind == "chat":  # OpenAI's first chat chunk names the role
+                yield chunk({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "finish_reason": None}]})
+            while (event := await pending.next(request)) is not None:
+                if event.text:
+                    yield chunk({**head, "choices": [p.choice(kind, event.text, None, True)]})
+                if event.finish_reason is not None:
+                    yield chunk(_final(kind, head, event))
+                    if include_usage:
+                        result = event.result
+                        yield chunk({**head, "choices": [],
+                                     "usage": p.usage(prompt_tokens, len(result.token_ids) if result else 0)})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:  # also runs when the client disconnects (the stream task is cancelled)
+            pending.close()
+
+    return stream()
+
+
+def _final(kind: p.Kind, head: dict, event: Event) -> dict:
+    """The last chunk: the finish reason and the speculation summary (or the error)."""
+    if event.finish_reason == "error":
+        return {**head, "choices": [], "error": p.error_body(f"generation failed: {event.error}", 500,
+                                                                "server_error")["error"]}
+    stats = event.result.stats if event.result is not None else None
+    reason = p.FINISH.get(event.finish_reason, "stop")
+    return {**head, "choices": [p.choice(kind, None if kind == "chat" else "", reason, True)],
+            "speculation": p.speculation(stats)}

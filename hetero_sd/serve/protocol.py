@@ -1,0 +1,193 @@
+"""OpenAI-compatible request and response bodies: the subset vLLM and llama-server serve.
+
+Requests are validated strictly (a number must be a JSON number, a bool is not
+a number, "5" is not an int) so a client's mistake is a 400 naming the field,
+not a silently converted value. Unknown fields are ignored, as OpenAI's own
+server and vLLM do; fields that would change the output but are not
+implemented (penalties, logprobs, response_format) are refused rather than
+ignored, so no client believes it got what it asked for.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# One stop string is decoded against at every committed token (hetero_sd.stopping),
+# so their number and length bound per-token work: a hostile list must cost nothing.
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+
+# Engine finish reasons -> OpenAI's. "abort" (ended by a server shutdown) is vLLM's own.
+FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "context": "length",
+          "abort": "abort", "cancelled": "abort"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generate(_Body):
+    """What both endpoints share."""
+    model: str | None = None  # any name is served by the one model (as llama-server does)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extra field (vLLM's); -1 or 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0  # extra field: higher runs first (vLLM's priority is the opposite)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    response_format: dict | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stops(cls, value):
+        # mode="before": a list of a million strings is refused before any is validated
+        if isinstance(value, list):
+            if len(value) > MAX_STOP:
+                raise ValueError(f"at most {MAX_STOP} stop strings, got {len(value)}")
+            for s in value:
+                if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+                    raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        elif isinstance(value, str) and len(value) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(value)}")
+        return value
+
+    def stops(self) -> list[str] | None:
+        """The stop strings, without empty ones (an empty string would stop at once); None = not given."""
+        if self.stop is None:
+            return None
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+
+    def unsupported(self) -> str | None:
+        """The first field given that this server cannot honour, as a message; None if none."""
+        if self.n != 1:
+            return f"n must be 1 (one choice per request), got {self.n}"
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                return f"{name} is not supported (output would not be the model's distribution)"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format is not supported by the server yet (use hetero-sd generate --json-schema)"
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Generate):
+    # a string, a list of one string, token ids, or a list of one token-id list
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs is not supported"
+        if self.echo:
+            return "echo is not supported"
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids); ValueError for none or several."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError(f"one prompt per request, got {len(p)}")
+            p = p[0]
+        if len(p) == 0:
+            raise ValueError("the prompt is empty")
+        return p
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" for part in self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatRequest(_Generate):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+
+    def unsupported(self) -> str | None:
+        if self.logprobs:
+            return "logprobs is not supported"
+        return super().unsupported()
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculation(stats) -> dict:
+    """The request's own speculation summary (hetero_sd.stats.GenerationStats), an extra field."""
+    if stats is None:  # ended before it ran (aborted while waiting)
+        return {"mode": None, "drafted": 0, "accepted": 0, "acceptance_rate": 0.0, "mean_accepted": 0.0,
+                "rounds": 0}
+    return {"mode": stats.mode, "drafted": stats.drafted, "accepted": stats.accepted,
+            "acceptance_rate": stats.acceptance_rate, "mean_accepted": stats.mean_accepted, "rounds": stats.rounds}
+
+
+Kind = Literal["completion", "chat"]
+
+
+def envelope(kind: Kind, rid: str, model: str, created: int, stream: bool) -> dict:
+    """The fields every response and chunk of one request carries."""
+    obj = "text_completion" if kind == "completion" else ("chat.completion.chunk" if stream else "chat.completion")
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool) -> dict:
+    """One choice: `text` for completions; `message` (whole) or `delta` (streamed) for chat."""
+    out: dict = {"index": 0}
+    if kind == "completion":
+        out.update(text=text or "", logprobs=None)
+    elif stream:
+        out["delta"] = {} if text is None else {"content": text}
+    else:
+        out["message"] = {"role": "assistant", "content": text or ""}
+    out["finish_reason"] = finish_reason
+    return out
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, status: int, kind: str) -> dict:
+    """OpenAI's error shape; `code` is the HTTP status, as vLLM gives it."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
