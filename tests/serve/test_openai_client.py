@@ -84,8 +84,8 @@ def test_streamed_equals_whole_equals_generate(client, serve_config, capsys, cha
         assert usage.prompt_tokens == solo["stats"]["prompt_tokens"]
         assert usage.completion_tokens == len(solo["token_ids"])
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert spec == stream_spec  # the same request twice: the same rounds and acceptance
-    assert spec["mode"] == "ngram" and spec["rounds"] >= 1
+    # (draft lengths may differ between the two: the batch engine prices drafts by learnt costs)
+    assert spec["mode"] == stream_spec["mode"] == "ngram" and spec["rounds"] >= 1
     if not chat and sampling is None:
         assert spec["drafted"] > 0  # the repetitive prompt did speculate
 
