@@ -246,7 +246,8 @@ def _to_request(state: ServerState, body: p._Generate, ids: list[int], max_token
                             base.seed if body.seed is None else body.seed)
     stops = body.stops()
     return Request(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
-                   list(engine.stop) if stops is None else stops, float(body.priority), state.speculate)
+                   list(engine.stop) if stops is None else stops, float(body.priority), state.speculate,
+                   body.constraint())
 
 
 class _Pending:

@@ -49,6 +49,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     priority: float = 0.0
     speculate: bool = True  # False: target-only for this request
+    constraint: object = None  # hetero_sd.constraint.Constraint (None: the engine's default, if any)
 
 
 @dataclass
@@ -210,7 +211,8 @@ class BatchEngine:
             drafter = FailoverDrafter(engine.drafter.fork(), NoFallback())
             policy = copy.deepcopy(engine.policy)  # learnt costs carried over, acceptance per request
             policy.reset()
-        run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, None, drafter, policy)
+        run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, req.constraint, drafter,
+                             policy)
         # Draft lengths are priced by the batch cost model (_price), not by this
         # request's own timings; a sampled request keeps its policy's fixed prior,
         # so its draft lengths follow acceptance alone and a seed reproduces

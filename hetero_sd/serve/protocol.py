@@ -4,7 +4,7 @@ Requests are validated strictly (a number must be a JSON number, a bool is not
 a number, "5" is not an int) so a client's mistake is a 400 naming the field,
 not a silently converted value. Unknown fields are ignored, as OpenAI's own
 server and vLLM do; fields that would change the output but are not
-implemented (penalties, logprobs, response_format) are refused rather than
+implemented (penalties, logprobs) are refused rather than
 ignored, so no client believes it got what it asked for.
 """
 from __future__ import annotations
@@ -14,6 +14,9 @@ import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from hetero_sd.constraint import Constraint
+from hetero_sd.errors import GenerationError
 
 # One stop string is decoded against at every committed token (hetero_sd.stopping),
 # so their number and length bound per-token work: a hostile list must cost nothing.
@@ -77,9 +80,29 @@ class _Generate(_Body):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 return f"{name} is not supported (output would not be the model's distribution)"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format is not supported by the server yet (use hetero-sd generate --json-schema)"
         return None
+
+    def constraint(self) -> Constraint | None:
+        """What response_format holds the output to (None: plain text), checked:
+        OpenAI's {"type": "json_object"} and {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}}, decoded under the grammar (hetero_sd.constraint)."""
+        rf = self.response_format
+        kind = (rf or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            constraint = Constraint.any_json("response_format")
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise GenerationError('response_format json_schema needs {"json_schema": {"name": ..., '
+                                      '"schema": {...}}}')
+            constraint = Constraint.json_schema(spec["schema"], "response_format.json_schema.schema")
+        else:
+            raise GenerationError(f"response_format type {kind!r} is not supported; "
+                                  "use text, json_object or json_schema")
+        constraint.check()
+        return constraint
 
     @property
     def include_usage(self) -> bool:

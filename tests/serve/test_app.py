@@ -7,12 +7,11 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed: pip install -e '.[server]'")
-import httpx  # noqa: E402
+import httpx
 
-from hetero_sd.engine import Engine  # noqa: E402
-from hetero_sd.serve import app as app_module  # noqa: E402
-from hetero_sd.serve.app import ServerState, create_app  # noqa: E402
+from hetero_sd.engine import Engine
+from hetero_sd.serve import app as app_module
+from hetero_sd.serve.app import ServerState, create_app
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,10 +8,7 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed: pip install -e '.[server]'")
-
-import httpx  # noqa: E402
-
+import httpx
 
 from helpers.serving import ServerProcess, metric as read_metric, parse_sse
 

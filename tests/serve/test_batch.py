@@ -148,3 +148,23 @@ def test_draft_model_forks_per_request(tiny_model_dir):
                                                          target_only=True).token_ids
         assert c.result.stats.accepted > 0  # the same weights draft: its drafts are accepted
     assert draft_runner.usage().sequences == 0  # every fork released its sequence
+
+
+def test_constrained_requests_batched_equal_solo(tiny_model_dir):
+    """Requests under a grammar (response_format) beside plain ones: each equals
+    its constrained solo target-only output."""
+    from hetero_sd.constraint import Constraint
+
+    engine = _engine(tiny_model_dir("llama"), "onnxruntime", "fp32")
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}}
+    constraints = [Constraint.json_schema(schema), Constraint.regex(r"[a-z]{3}-[0-9]{2}"), None]
+    rng = random.Random(13)
+    requests = [Request(_prompt(rng, i), 30, constraint=constraints[i % 3]) for i in range(9)]
+    _, collectors = _serve(engine, requests)
+    for req, c in zip(requests, collectors):
+        solo = engine.generate_ids(req.prompt_ids, 30, target_only=True, constraint=req.constraint)
+        assert c.result.token_ids == solo.token_ids
+        assert c.result.stats.finish_reason == solo.stats.finish_reason
+        if req.constraint is not None:
+            assert c.result.stats.constraint

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed: pip install -e '.[server]'")
-
-import httpx  # noqa: E402
+import httpx
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -9,10 +9,7 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed: pip install -e '.[server]'")
-
-import httpx  # noqa: E402
-
+import httpx
 
 from helpers.serving import metric, parse_sse, write_config
 from hetero_sd.transport.segment import SHM_DIR
