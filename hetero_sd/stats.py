@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from hetero_sd.scheduler.acceptance import count_positions
+
 
 @dataclass
 class GenerationStats:
@@ -30,13 +32,7 @@ class GenerationStats:
     accepted_pos: list[int] = field(default_factory=list)
 
     def count_positions(self, drafted: int, accepted: int) -> None:
-        grow = drafted - len(self.drafted_pos)
-        if grow > 0:
-            self.drafted_pos += [0] * grow
-            self.accepted_pos += [0] * grow
-        for i in range(drafted):
-            self.drafted_pos[i] += 1
-            self.accepted_pos[i] += i < accepted
+        count_positions(self.drafted_pos, self.accepted_pos, drafted, accepted)
 
     @property
     def other_s(self) -> float:

@@ -49,14 +49,7 @@ class AcceptanceTracker:
         self.successes += accepted
         self.trials += accepted + (1 if accepted < drafted else 0)
         self.rounds += 1
-        tried = min(drafted, accepted + 1)
-        grow = tried - len(self.position_trials)
-        if grow > 0:
-            self.position_trials += [0.0] * grow
-            self.position_successes += [0.0] * grow
-        for i in range(tried):
-            self.position_trials[i] += 1
-            self.position_successes[i] += i < accepted
+        count_positions(self.position_trials, self.position_successes, min(drafted, accepted + 1), accepted)
 
     def age(self) -> None:
         """One round's discount without evidence (speculation was off)."""
@@ -105,3 +98,15 @@ class AcceptanceTracker:
             return False
         low, high = self.interval(z)
         return not low <= estimate <= high
+
+
+def count_positions(trials: list, successes: list, tried: int, accepted: int) -> None:
+    """Per draft position i < tried: one more trial, and a success where i < accepted
+    (the lists grow as needed, in place)."""
+    grow = tried - len(trials)
+    if grow > 0:
+        trials += [0] * grow
+        successes += [0] * grow
+    for i in range(tried):
+        trials[i] += 1
+        successes[i] += i < accepted
