@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"  # never any other address: the servers are reachable from this host only
@@ -67,6 +67,7 @@ class Result:
     tokens_from: str = ""  # "usage", "length" or "chunks": how `tokens` was known
     finish: str | None = None
     error: str | None = None
+    index: int = -1  # the request's number in its level (prompt index % prompts)
 
     @property
     def tpot_s(self) -> float | None:
@@ -131,9 +132,11 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
             call = one_request(client, model, prompts[i % len(prompts)], max_tokens, include_usage)
             started = time.perf_counter()
             try:
-                results.append(await asyncio.wait_for(call, request_timeout_s))
+                result = await asyncio.wait_for(call, request_timeout_s)
             except asyncio.TimeoutError:
-                results.append(Result(False, time.perf_counter() - started, error="timeout"))
+                result = Result(False, time.perf_counter() - started, error="timeout")
+            result.index = i
+            results.append(result)
 
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -372,6 +375,7 @@ def _load(name: str, base: str, model: str, level: int, prompts: list[str], opts
     results, wall = asyncio.run(run_level(f"{base}/v1", model, prompts, level, requests_for(level, opts),
                                           opts.max_tokens, opts.level_timeout, opts.request_timeout, usage))
     summary = summarize(results, wall)
+    summary["per_request"] = [asdict(r) for r in sorted(results, key=lambda r: r.index)]
     if usage:
         summary["metrics"] = acceptance(before, scrape_acceptance(base))
     return summary
@@ -402,6 +406,7 @@ def run(opts, argv: list[str]) -> dict:
     prompts = load_prompt_texts()
     logdir = Path(opts.logdir or tempfile.mkdtemp(prefix="bench-serve-"))
     logdir.mkdir(parents=True, exist_ok=True)
+    meta = _meta(opts, argv)  # before the run: its start time and commit
     results: dict[str, dict[int, dict]] = {name: {} for name in opts.servers}
     for i, level in enumerate(opts.levels):
         order = opts.servers[i % len(opts.servers):] + opts.servers[:i % len(opts.servers)]
@@ -411,7 +416,8 @@ def run(opts, argv: list[str]) -> dict:
             print(f"C={level} {LABELS[name]}: {s['done']} done, {s['failed']} failed, "
                   f"{'-' if tps is None else f'{tps:.1f}'} tok/s{'  ' + s['error'][:200] if 'error' in s else ''}",
                   file=sys.stderr, flush=True)
-    return {"meta": _meta(opts, argv), "results": results, "ratios": ratios(results)}
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return {"meta": meta, "results": results, "ratios": ratios(results)}
 
 
 def parse_args(argv: list[str]):

@@ -143,7 +143,7 @@ def test_table_and_ratios():
 def test_load_loop_against_a_fake_sse_server(fake_server):
     prompts = ["a", "b", "fail", "cut", "c"]
     results, wall = asyncio.run(bench.run_level(f"{fake_server}/v1", "fake", prompts, 3, 7, 16, 30, 30))
-    assert len(results) == 7 and wall > 0
+    assert sorted(r.index for r in results) == list(range(7)) and wall > 0
     assert sorted(FakeOpenAI.prompts) == sorted(prompts + prompts[:2])  # cycled, each sent once per turn
     ok = [r for r in results if r.ok]
     assert len(ok) == 5 and all(r.tokens == 4 and r.tokens_from == "usage" and r.finish == "stop" for r in ok)
@@ -183,6 +183,7 @@ def test_server_lifecycle_and_a_whole_run(tmp_path, monkeypatch, capsys):
         for level in ("1", "2"):
             s = report["results"][name][level]
             assert (s["done"], s["failed"], s["output_tokens"], s["tokens_from"]) == (3, 0, 12, source)
+            assert [r["index"] for r in s["per_request"]] == [0, 1, 2]
     assert report["results"]["spec"]["1"]["metrics"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0}
     assert set(report["ratios"]) == {"1", "2"} and report["meta"]["requests_per_level"] == {"1": 3, "2": 3}
     assert "| 2 | llama.cpp | 3/0 |" in capsys.readouterr().out
