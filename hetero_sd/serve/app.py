@@ -49,7 +49,7 @@ class ServerState:
         self.drain_s, self.speculate = drain_s, speculate
         self.metrics = Metrics(model_name, **placement(engine))
         self.batch = BatchEngine(engine, max_running=max_running, max_waiting=max_waiting,
-                                 on_finish=self.metrics.on_finish)
+                                 on_finish=self.metrics.on_finish, on_step=self.metrics.on_step)
         self.metrics.watch(self.batch)
         self.created = p.now()
         self.draining = False

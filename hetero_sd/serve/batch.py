@@ -93,11 +93,12 @@ class BatchEngine:
     requests prefilled per step, so arrivals do not stall running streams."""
 
     def __init__(self, engine, max_running: int = 16, max_waiting: int = 64, prefills_per_step: int = 2,
-                 ageing_s: float = 10.0, on_finish: Callable[[Handle, object], None] | None = None):
+                 ageing_s: float = 10.0, on_finish: Callable[[Handle, object], None] | None = None,
+                 on_step: Callable[[int, int], None] | None = None):
         self.engine = engine
         self.target = engine._target  # the FailoverRunner: a device failure moves the whole batch
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
-        self.on_finish = on_finish
+        self.on_finish, self.on_step = on_finish, on_step  # on_step(sequences, rows) after each batched call
         self.cost = BatchCost()
         self._draft_s_per_token = 0.0
         self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
@@ -250,6 +251,8 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         self.cost.observe(rows, seconds)
         self.steps += 1
+        if self.on_step is not None:
+            self.on_step(len(batch), rows)
         drafted = sum(len(r.drafts) for _, r in batch)
         if drafted:
             spent = sum(r.draft_s or 0.0 for _, r in batch)

@@ -32,6 +32,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 
 
+STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
 def placement(engine) -> dict[str, str]:
     """The label values for an engine: where the target runs and which drafter drafts."""
     target = engine.target
@@ -65,6 +68,11 @@ class Metrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
                               TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.", E2E_BUCKETS)
+        # per batched target call (vLLM's iteration_tokens_total), and how many sequences shared it
+        self.step_tokens = histogram("iteration_tokens_total", "Rows scored per target call (committed + drafts).",
+                                     STEP_BUCKETS)
+        self.step_sequences = histogram("iteration_sequences", "Sequences verified together per target call.",
+                                        STEP_BUCKETS)
         self.registry.register(_Gauges(self))
 
     def watch(self, batch) -> None:
@@ -72,6 +80,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def on_step(self, sequences: int, rows: int) -> None:
+        self.step_sequences.observe(sequences)
+        self.step_tokens.observe(rows)
 
     def on_finish(self, handle, result) -> None:
         """BatchEngine's hook (engine thread): one finished request. result is None for a

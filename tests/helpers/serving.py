@@ -23,8 +23,9 @@ READY_S = 120  # a loaded 2-core CI host imports torch slowly; only a hang shoul
 MAX_NEW_TOKENS = 16
 
 
-def write_config(path: Path, model: Path, drafter: str = "{kind: ngram, k: 4}") -> str:
-    path.write_text(f"target: {{model: {model}, backend: torch, precision: fp32}}\n"
+def write_config(path: Path, model: Path, drafter: str = "{kind: ngram, k: 4}", backend: str = "torch",
+                 precision: str = "fp32") -> str:
+    path.write_text(f"target: {{model: {model}, backend: {backend}, precision: {precision}}}\n"
                     f"drafter: {drafter}\n"
                     f"generation: {{max_new_tokens: {MAX_NEW_TOKENS}}}\n"
                     "memory: {kv_budget: 1MiB}\n")
