@@ -100,10 +100,13 @@ class ExtentAllocator:
         self._seqs.pop(seq_id, None)
 
     def usage(self) -> PoolUsage:
+        # One snapshot (taken without running Python code between items): a server's
+        # metrics thread may ask while the engine thread allocates.
+        extents = list(self._seqs.values())
         return PoolUsage(
             capacity_tokens=self.capacity,
-            used_tokens=sum(e.reserved for e in self._seqs.values()),
-            filled_tokens=sum(e.length for e in self._seqs.values()),
+            used_tokens=sum(e.reserved for e in extents),
+            filled_tokens=sum(e.length for e in extents),
             bytes_total=self.capacity * self.bytes_per_token,
-            sequences=len(self._seqs),
+            sequences=len(extents),
         )
