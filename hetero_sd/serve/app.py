@@ -44,8 +44,10 @@ class ServerState:
     """The engine, its batch engine and metrics, and whether the server is draining."""
 
     def __init__(self, engine, model_name: str, *, max_running: int = 16, max_waiting: int = 64,
-                 api_key: str | None = None, drain_s: float = 30.0, speculate: bool = True):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+                 api_key: str | dict[str, float] | None = None, drain_s: float = 30.0, speculate: bool = True):
+        # key -> the priority its requests get when they name none ({} = no key needed)
+        self.api_keys = {api_key: 0.0} if isinstance(api_key, str) else dict(api_key or {})
+        self.engine, self.model_name = engine, model_name
         self.drain_s, self.speculate = drain_s, speculate
         self.metrics = Metrics(model_name, **placement(engine))
         self.batch = BatchEngine(engine, max_running=max_running, max_waiting=max_waiting,
@@ -90,7 +92,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     _errors(app)
     _routes(app, state)
-    app.add_middleware(Guard, api_key=state.api_key)
+    app.add_middleware(Guard, api_keys=state.api_keys)
     return app
 
 
@@ -151,24 +153,27 @@ class Guard:
     """ASGI middleware run before any body is read: the API key (every path but /health) and
     the body size bound, so an unauthenticated or oversized request costs nothing."""
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_keys: dict[str, float]):
+        self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
-            refusal = self._refuse(scope["path"], headers)
+            refusal = self._refuse(scope, headers)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _refuse(self, path: str, headers: dict):
-        if self.api_key and path != "/health":
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+    def _refuse(self, scope, headers: dict):
+        if self.api_keys and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"").decode("latin-1").encode()
+            # every key compared in constant time, so timing tells nothing about any of them
+            matches = [key for key in self.api_keys if hmac.compare_digest(given, f"Bearer {key}".encode())]
+            if not matches:
                 return error(401, "missing or wrong API key (send Authorization: Bearer <key>)",
                              "authentication_error", {"WWW-Authenticate": "Bearer"})
+            scope.setdefault("state", {})["key_priority"] = self.api_keys[matches[0]]
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > MAX_BODY:
             return error(413, f"the request body must be at most {MAX_BODY} bytes")
@@ -237,8 +242,10 @@ def _chat_ids(state: ServerState, body: p.ChatRequest) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _to_request(state: ServerState, body: p._Generate, ids: list[int], max_tokens: int | None) -> Request:
-    """A batch Request; absent fields take the engine's (the config's) defaults, as `generate` does."""
+def _to_request(state: ServerState, request: HTTPRequest, body: p._Generate, ids: list[int],
+                max_tokens: int | None) -> Request:
+    """A batch Request; absent fields take the engine's (the config's) defaults, as `generate` does,
+    and an absent priority the API key's."""
     engine, base = state.engine, state.engine.sampling
     top_k = base.top_k if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 means off
     params = SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,
@@ -246,8 +253,14 @@ def _to_request(state: ServerState, body: p._Generate, ids: list[int], max_token
                             base.seed if body.seed is None else body.seed)
     stops = body.stops()
     return Request(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
-                   list(engine.stop) if stops is None else stops, float(body.priority), state.speculate,
+                   list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
                    body.constraint())
+
+
+def _priority(request: HTTPRequest, body: p._Generate) -> float:
+    if "priority" in body.model_fields_set:
+        return float(body.priority)
+    return float(getattr(request.state, "key_priority", 0.0))
 
 
 class _Pending:
@@ -280,7 +293,7 @@ class _Pending:
 
 async def _serve(state: ServerState, request: HTTPRequest, kind: p.Kind, body: p._Generate, ids: list[int],
                  max_tokens: int | None):
-    req = _to_request(state, body, ids, max_tokens)
+    req = _to_request(state, request, body, ids, max_tokens)
     pending = _Pending(state, req)  # GenerationError / QueueFull / ShuttingDown: mapped by the handlers
     rid = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
     head = p.envelope(kind, rid, state.model_name, p.now(), body.stream)

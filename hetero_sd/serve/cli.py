@@ -43,9 +43,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--config", help="YAML config (default: the packaged configs/cpu.yaml)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
-    p.add_argument("--api-key", default=os.environ.get("HETERO_SD_API_KEY"),
-                   help="require Authorization: Bearer KEY on every endpoint but /health "
-                        "(default: $HETERO_SD_API_KEY; none = open)")
+    p.add_argument("--api-key", action="append", metavar="KEY[=PRIORITY]",
+                   help="require Authorization: Bearer KEY on every endpoint but /health; repeat for "
+                        "several keys, each optionally with the priority its requests get when they name "
+                        "none (e.g. --api-key batch-jobs=-1 --api-key interactive=5). "
+                        "Default: $HETERO_SD_API_KEY; none = open")
     p.add_argument("--max-running", type=_positive, default=16, help="requests stepped together (default 16)")
     p.add_argument("--max-waiting", type=_positive, default=64,
                    help="waiting-queue bound; past it requests get 429 (default 64)")
@@ -59,6 +61,20 @@ def add_parser(subparsers) -> None:
                    help="uvicorn's log level (default warning; info adds an access log)")
     p.add_argument("--progress", action="store_true", help="show load progress even when stderr is not a TTY")
     p.set_defaults(func=run)
+
+
+def api_keys(given: list[str] | None) -> dict[str, float]:
+    """KEY or KEY=PRIORITY (an integer after the last '='; otherwise the whole text is
+    the key, so base64 keys ending in '=' stay whole) -> {key: default priority}."""
+    keys: dict[str, float] = {}
+    env = os.environ.get("HETERO_SD_API_KEY")
+    for item in given or ([env] if env else []):
+        key, sep, prio = item.rpartition("=")
+        if sep and key and prio.lstrip("-").isdigit():
+            keys[key] = float(int(prio))
+        elif item:
+            keys[item] = 0.0
+    return keys
 
 
 def model_name(cfg) -> str:
@@ -93,7 +109,7 @@ def run(args) -> int:
                                 target_only=args.no_speculation)
     try:
         state = ServerState(engine, args.model_name or model_name(cfg), max_running=args.max_running,
-                            max_waiting=args.max_waiting, api_key=args.api_key or None, drain_s=args.drain_s,
+                            max_waiting=args.max_waiting, api_key=api_keys(args.api_key), drain_s=args.drain_s,
                             speculate=not args.no_speculation)
     except BaseException:
         engine.close()

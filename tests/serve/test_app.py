@@ -75,3 +75,38 @@ def test_oversized_body_is_refused_unread(state, monkeypatch):
                       ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}))
     assert big.status_code == 413 and big.json()["error"]["code"] == 413
     assert small.status_code == 200
+
+
+def test_api_keys_carry_default_priorities(serve_config):
+    """Several keys, each with the priority its requests get when they name none."""
+    st = ServerState(Engine.from_config(serve_config), "tiny", api_key={"interactive": 5.0, "batch": -1.0})
+    st.start()
+    seen = []
+    st.batch.on_finish = lambda handle, result: seen.append(handle.request.priority)
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(st))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=60) as client:
+            out = []
+            for key, body in (("interactive", {}), ("batch", {}), ("batch", {"priority": 3}), ("nope", {})):
+                r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                      json={"prompt": "x", "max_tokens": 2, **body})
+                out.append(r.status_code)
+            return out
+
+    try:
+        assert asyncio.run(go()) == [200, 200, 200, 401]
+    finally:
+        st.close()
+    assert seen == [5.0, -1.0, 3.0]
+
+
+def test_api_key_flag_parsing(monkeypatch):
+    from hetero_sd.serve.cli import api_keys
+
+    monkeypatch.delenv("HETERO_SD_API_KEY", raising=False)
+    assert api_keys(None) == {}
+    assert api_keys(["a", "b=5", "c=-2", "YWJj==", "x=y"]) == {"a": 0.0, "b": 5.0, "c": -2.0, "YWJj==": 0.0,
+                                                               "x=y": 0.0}
+    monkeypatch.setenv("HETERO_SD_API_KEY", "secret")
+    assert api_keys(None) == {"secret": 0.0} and api_keys(["other"]) == {"other": 0.0}
