@@ -105,3 +105,15 @@ class OrtRunner(GraphRunner):
 
     def _infer_batch(self, feeds: dict) -> list:
         return self._session.run(self._outputs, feeds)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Give the empty sequence `dst` the KV of `src`'s first `length` positions.
+        Every row here is row-invariant (prefill included: tested), so the copy is
+        bitwise the KV dst would compute for the same tokens: a server reuses a
+        shared prompt prefix instead of computing it again."""
+        if length > self.length(src):
+            raise ValueError(f"sequence {src} holds {self.length(src)} positions, not {length}")
+        if self.length(dst):
+            raise ValueError(f"sequence {dst} is not empty")
+        with self._alloc.writing(dst, 0, length):
+            self._slabs[dst][:, :, :, :length] = self._slabs[src][:, :, :, :length]

@@ -241,14 +241,17 @@ class _Run:
             if self.finish(planned, self._score(planned.tokens, planned.start, len(planned.tokens))):
                 return
 
-    def start(self) -> bool:
-        """Begin the drafter and prefill the prompt; True when generation is already over."""
+    def start(self, cached: int = 0) -> bool:
+        """Begin the drafter and prefill the prompt; True when generation is already over.
+        cached: leading prompt positions whose KV the target sequence already holds
+        (copied from an earlier request's by a serving prefix cache)."""
         con = self.constrainer
         if self.drafter is not None:
             self.drafter.begin(self.capacity, self.sampler, None if con is None else con.guide)
         if con is not None:
             con.prepare([])
-        first = self._score(self.prompt, 0, 1)[0]
+        self.stats.cached_tokens = cached
+        first = self._score(self.prompt[cached:], cached, 1)[0]
         self.pos = len(self.prompt)
         self.stats.prefill_s = time.perf_counter() - self.t_start
         return self._commit([first if self.sampler is None else self.sampler.draw_target(first)])
@@ -352,9 +355,11 @@ class _Run:
         self.pos = len(self.context) - 1  # the newest token is fed with the next verify
         return False
 
-    def close(self) -> GenerationResult:
-        """Free the sequence and the drafter's state; the result so far."""
-        self.target.release(self.seq)
+    def close(self, release: bool = True) -> GenerationResult:
+        """Free the sequence (unless release=False: a prefix cache keeps it) and the
+        drafter's state; the result so far."""
+        if release:
+            self.target.release(self.seq)
         if self.constrainer is not None:
             self.constrainer.close()
         if self.drafter is not None:

@@ -166,6 +166,17 @@ class FailoverRunner:
     def greedy(self, seq_id: int, tokens, start: int, num_logits: int) -> list[int]:
         return self._run("greedy", seq_id, tokens, start, num_logits)
 
+    def copy_prefix(self, src_id: int, dst_id: int, length: int) -> None:
+        """The runner's copy_prefix (check `hasattr(runner.current, "copy_prefix")` first);
+        dst then replays as a prefill of that prefix after a failover."""
+        src, dst = self._seqs[src_id], self._seqs[dst_id]
+        self._guarded(lambda: self.current.copy_prefix(src.inner, dst.inner, length))
+        dst.tokens[:], dst.first = src.tokens[:length], length
+
+    def tokens(self, seq_id: int) -> list[int]:
+        """The tokens whose KV the sequence holds, position by position."""
+        return list(self._seqs[seq_id].tokens)
+
     def truncate(self, seq_id: int, length: int) -> None:
         s = self._seqs[seq_id]
         self._guarded(lambda: self.current.truncate(s.inner, length))

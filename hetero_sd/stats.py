@@ -10,6 +10,7 @@ from hetero_sd.scheduler.acceptance import count_positions
 class GenerationStats:
     mode: str  # "target-only" | "ngram" | "model"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt positions whose KV was reused from an earlier request (serving)
     new_tokens: int = 0
     rounds: int = 0  # target calls after prefill (one per verify)
     drafted: int = 0

@@ -44,14 +44,16 @@ class ServerState:
     """The engine, its batch engine and metrics, and whether the server is draining."""
 
     def __init__(self, engine, model_name: str, *, max_running: int = 16, max_waiting: int = 64,
-                 api_key: str | dict[str, float] | None = None, drain_s: float = 30.0, speculate: bool = True):
+                 api_key: str | dict[str, float] | None = None, drain_s: float = 30.0, speculate: bool = True,
+                 prefix_cache: int = 8):
         # key -> the priority its requests get when they name none ({} = no key needed)
         self.api_keys = {api_key: 0.0} if isinstance(api_key, str) else dict(api_key or {})
         self.engine, self.model_name = engine, model_name
         self.drain_s, self.speculate = drain_s, speculate
         self.metrics = Metrics(model_name, **placement(engine))
         self.batch = BatchEngine(engine, max_running=max_running, max_waiting=max_waiting,
-                                 on_finish=self.metrics.on_finish, on_step=self.metrics.on_step)
+                                 on_finish=self.metrics.on_finish, on_step=self.metrics.on_step,
+                                 prefix_cache=prefix_cache)
         self.metrics.watch(self.batch)
         self.created = p.now()
         self.draining = False
@@ -318,7 +320,7 @@ async def _whole(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: di
         return error(500, f"generation failed: {event.error}", "server_error")
     result = event.result
     return {**head, "choices": [p.choice(kind, "".join(text), p.FINISH.get(event.finish_reason, "stop"), False)],
-            "usage": p.usage(prompt_tokens, len(result.token_ids) if result else 0),
+            "usage": p.usage(prompt_tokens, result),
             "speculation": p.speculation(result.stats if result else None)}
 
 
@@ -340,7 +342,7 @@ def _sse(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prom
                     if include_usage:
                         result = event.result
                         yield chunk({**head, "choices": [],
-                                     "usage": p.usage(prompt_tokens, len(result.token_ids) if result else 0)})
+                                     "usage": p.usage(prompt_tokens, result)})
                     yield "data: [DONE]\n\n"
                     return
         finally:  # also runs when the client disconnects (the stream task is cancelled)

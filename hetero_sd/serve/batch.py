@@ -30,6 +30,7 @@ from hetero_sd.failover import FailoverDrafter, NoFallback
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.scheduler.admission import AdmissionQueue, QueueFull
 from hetero_sd.scheduler.batch_cost import BatchCost
+from hetero_sd.serve.prefix import PrefixCache
 from hetero_sd.stopping import TextStream
 
 log = logging.getLogger("hetero_sd.serve")
@@ -81,6 +82,7 @@ class _Live:
     handle: Handle
     run: object  # hetero_sd.engine._Run
     stream: TextStream
+    cached: int = 0  # prompt positions copied from the prefix cache
     sent_tokens: int = 0
     started: bool = False
 
@@ -94,12 +96,16 @@ class BatchEngine:
 
     def __init__(self, engine, max_running: int = 16, max_waiting: int = 64, prefills_per_step: int = 2,
                  ageing_s: float = 10.0, on_finish: Callable[[Handle, object], None] | None = None,
-                 on_step: Callable[[int, int], None] | None = None):
+                 on_step: Callable[[int, int], None] | None = None, prefix_cache: int = 8):
         self.engine = engine
         self.target = engine._target  # the FailoverRunner: a device failure moves the whole batch
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
         self.on_finish, self.on_step = on_finish, on_step  # on_step(sequences, rows) after each batched call
         self.cost = BatchCost()
+        # Finished requests' KV kept for prompts that begin alike (prefix.py): only where
+        # the runner can copy KV exactly; prefix_cache = how many sequences (0 = off).
+        self.prefix = PrefixCache(self.target, prefix_cache) if prefix_cache > 0 and hasattr(
+            self.target.current, "copy_prefix") else None
         self._draft_s_per_token = 0.0
         self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
         self._running: list[_Live] = []
@@ -170,9 +176,11 @@ class BatchEngine:
                 while not self._running and not len(self._queue) and self._admitting:
                     self._cond.wait()
                 if not self._running and not len(self._queue):
+                    self._close_prefix()
                     return  # shutting down, nothing left
                 if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
                     self._abort_all()
+                    self._close_prefix()
                     return
                 cancelled = self._queue.remove(lambda h: h.cancelled)
                 admitted = self._admit()
@@ -212,21 +220,32 @@ class BatchEngine:
             drafter = FailoverDrafter(engine.drafter.fork(), NoFallback())
             policy = copy.deepcopy(engine.policy)  # learnt costs carried over, acceptance per request
             policy.reset()
-        run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, req.constraint, drafter,
-                             policy)
+        while True:
+            try:
+                run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, req.constraint,
+                                     drafter, policy)
+                break
+            except KVBudgetError:  # the pool's room goes to running requests before cached prefixes
+                if self.prefix is None or not self.prefix.evict():
+                    raise
+        cached = 0
+        hit = self.prefix.find(req.prompt_ids) if self.prefix is not None else None
+        if hit is not None and hasattr(self.target.current, "copy_prefix"):  # (a failover may have moved it)
+            self.target.copy_prefix(hit.seq, run.seq, hit.length)
+            cached = hit.length
         # Draft lengths are priced by the batch cost model (_price), not by this
         # request's own timings; a sampled request keeps its policy's fixed prior,
         # so its draft lengths follow acceptance alone and a seed reproduces
         # whatever runs beside it.
         run.timed = False
-        return _Live(handle, run, TextStream(run.stopper))
+        return _Live(handle, run, TextStream(run.stopper), cached)
 
     def _step(self, admitted: list[_Live]) -> None:
         for live in admitted:
             if live.handle.cancelled:
                 continue
             try:
-                done = live.run.start()  # the prefill: alone, as a solo run makes it
+                done = live.run.start(live.cached)  # the prefill: alone, as a solo run makes it
             except HeteroSDError as exc:  # this request's failure alone (the others go on)
                 self._end(live, "error", str(exc))
                 continue
@@ -289,7 +308,11 @@ class BatchEngine:
         """Close the run (its sequence freed) and send the final event."""
         if live in self._running:
             self._running.remove(live)
-        result = live.run.close()
+        keep = self.prefix is not None and live.started and reason != "error"
+        seq = live.run.seq
+        result = live.run.close(release=not keep)
+        if keep:  # its KV may serve a later prompt that begins alike
+            self.prefix.offer(seq, self.target.tokens(seq))
         reason = reason or result.stats.finish_reason or "stop"
         if reason in ("abort", "cancelled", "error"):
             result.stats.finish_reason = reason
@@ -313,6 +336,10 @@ class BatchEngine:
             handle.on_event(event)
         except Exception:  # a listener's failure is its own; the batch goes on
             log.exception("event listener failed")
+
+    def _close_prefix(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def _abort_all(self) -> None:
         for h in self._queue.drain():

@@ -51,6 +51,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-running", type=_positive, default=16, help="requests stepped together (default 16)")
     p.add_argument("--max-waiting", type=_positive, default=64,
                    help="waiting-queue bound; past it requests get 429 (default 64)")
+    p.add_argument("--prefix-cache", type=int, default=8, metavar="N",
+                   help="keep up to N finished requests' KV for prompts that begin alike (exact: onnxruntime "
+                        "targets only; 0 = off; default 8)")
     p.add_argument("--kv-budget", help="override memory.kv_budget (the target's KV pool), e.g. 1GiB")
     p.add_argument("--drain-s", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are aborted (default 30)")
@@ -110,6 +113,7 @@ def run(args) -> int:
     try:
         state = ServerState(engine, args.model_name or model_name(cfg), max_running=args.max_running,
                             max_waiting=args.max_waiting, api_key=api_keys(args.api_key), drain_s=args.drain_s,
+                            prefix_cache=max(0, args.prefix_cache),
                             speculate=not args.no_speculation)
     except BaseException:
         engine.close()

@@ -171,9 +171,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, result) -> dict:
+    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt positions
+    whose KV came from the prefix cache (result: the GenerationResult, or None)."""
+    completion = len(result.token_ids) if result else 0
+    cached = result.stats.cached_tokens if result else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speculation(stats) -> dict:

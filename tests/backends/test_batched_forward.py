@@ -93,3 +93,29 @@ def test_run_batch_falls_back_to_one_call_per_sequence():
     out = run_batch(runner, [BatchItem(3, [1], 0, 1), BatchItem(9, [1, 2], 0, 2)])
     assert runner.calls == [3, 9]
     assert [o.shape for o in out] == [(1, 4), (2, 4)] and out[1][0, 0] == 9.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, precision):
+    """onnxruntime's copy_prefix: a sequence given another's first L positions, then
+    prefilled from L, scores exactly as one that prefilled the whole prompt (what
+    makes the server's prefix cache exact)."""
+    runner = _load("onnxruntime", tiny_model_dir("llama"), precision)
+    prompt, cont = random_prompt(37, seed=4), random_prompt(6, seed=5)
+    whole = runner.allocate(64)
+    want = runner.forward(whole, prompt, 0, 1)
+    donor = runner.allocate(64)
+    runner.forward(donor, prompt[:30] + random_prompt(9, seed=6), 0, 1)  # shares 30 tokens, then differs
+    for length in (1, 16, 30):
+        seq = runner.allocate(64)
+        runner.copy_prefix(donor, seq, length)
+        assert runner.length(seq) == length
+        assert np.array_equal(runner.forward(seq, prompt[length:], length, 1), want)
+        for i, tok in enumerate(cont):  # the continuation agrees too (the KV is the same)
+            assert np.array_equal(runner.forward(seq, [tok], 37 + i, 1), runner.forward(whole, [tok], 37 + i, 1))
+            runner.truncate(whole, 37 + i)
+            runner.forward(whole, [tok], 37 + i, 1)
+        runner.truncate(whole, 37)
+        runner.release(seq)
+    with pytest.raises(ValueError, match="holds"):
+        runner.copy_prefix(donor, runner.allocate(64), 40)

@@ -168,3 +168,41 @@ def test_constrained_requests_batched_equal_solo(tiny_model_dir):
         assert c.result.stats.finish_reason == solo.stats.finish_reason
         if req.constraint is not None:
             assert c.result.stats.constraint
+
+
+def test_prefix_cache_reuses_kv_exactly(tiny_model_dir):
+    """Later prompts that begin like earlier ones (the same prompt again, a longer turn
+    of it) copy the cached prefix; every output still equals its solo target-only one,
+    also when the pool is so small that cached prefixes must be evicted to admit."""
+    for budget, evicts in ((8 << 20, False), (None, True)):
+        engine = _engine(tiny_model_dir("llama"), "onnxruntime", "fp32",
+                         budget=budget or 4 * 90 * load_model_ir(tiny_model_dir("llama")).config.kv_bytes_per_token(4))
+        firsts = [random_prompt(40, seed=700 + i) for i in range(4)]
+        waves = [firsts, [p + random_prompt(5, seed=800 + i) for i, p in enumerate(firsts)] + firsts[:2]]
+        # solo outputs first: the cache will hold pool room that a solo run would need
+        solo = {tuple(p): engine.generate_ids(p, 12, target_only=True).token_ids for w in waves for p in w}
+        batch = BatchEngine(engine, max_running=4, prefix_cache=8).start()
+        cached = []
+        try:
+            for wave in waves:
+                collectors = [_Collector() for _ in wave]
+                for prompt, c in zip(wave, collectors):
+                    batch.submit(Request(prompt, 12), c)
+                for prompt, c in zip(wave, collectors):
+                    assert c.done.wait(120)
+                    assert c.result.token_ids == solo[tuple(prompt)]
+                    cached.append(c.result.stats.cached_tokens)
+        finally:
+            batch.shutdown()
+        assert cached[:4] == [0, 0, 0, 0], cached
+        if evicts:  # room for running requests came first: some prefixes were gone when asked for
+            assert 0 < batch.prefix.hits < 6 and any(n >= 39 for n in cached[4:]), cached
+        else:
+            assert all(n >= 39 for n in cached[4:]) and batch.prefix.hits == 6, cached
+        assert len(batch.prefix) == 0 and engine.target.usage().sequences == 0  # shutdown released them
+
+
+def test_no_prefix_cache_where_the_copy_would_not_be_exact(tiny_model_dir):
+    """torch's prefill takes shape-dependent fast kernels: no copy_prefix, no cache."""
+    engine = _engine(tiny_model_dir("llama"), "torch", "fp32")
+    assert BatchEngine(engine).prefix is None

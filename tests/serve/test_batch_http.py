@@ -63,3 +63,19 @@ def test_32_concurrent_streams_equal_solo_target_only(start_server, tiny_model_d
     calls = metric(metrics, "hetero_sd:iteration_sequences_count")
     up_to_4 = metric(metrics, "hetero_sd:iteration_sequences_bucket", le="4.0")
     assert calls - up_to_4 >= 3, (calls, up_to_4)
+
+
+def test_repeated_prompt_reuses_the_prefix_cache(start_server, tiny_model_dir, tmp_path):
+    config = write_config(tmp_path / "ort.yaml", tiny_model_dir("llama"), backend="onnxruntime", precision="int4")
+    srv = start_server(config)
+    prompt = random_prompt(40, seed=9)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    first, again = (httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json() for _ in range(2))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 39  # all but the last prompt token
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    off = start_server(config, "--prefix-cache", "0")
+    for _ in range(2):
+        plain = httpx.post(off.url + "/v1/completions", json=body, timeout=120).json()
+        assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert plain["choices"][0]["text"] == first["choices"][0]["text"]
