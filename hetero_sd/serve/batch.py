@@ -231,7 +231,11 @@ class BatchEngine:
         cached = 0
         hit = self.prefix.find(req.prompt_ids) if self.prefix is not None else None
         if hit is not None and hasattr(self.target.current, "copy_prefix"):  # (a failover may have moved it)
-            self.target.copy_prefix(hit.seq, run.seq, hit.length)
+            try:
+                self.target.copy_prefix(hit.seq, run.seq, hit.length)
+            except BaseException:
+                run.close()  # its sequence is freed; the request fails alone
+                raise
             cached = hit.length
         # Draft lengths are priced by the batch cost model (_price), not by this
         # request's own timings; a sampled request keeps its policy's fixed prior,
