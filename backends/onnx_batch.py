@@ -28,10 +28,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-BATCH_INPUTS = ("input_ids", "positions", "pool", "kv_index", "kv_stride", "pad_rows", "q_pos_pad",
-                "unpad_rows", "logit_rows")
-
-
 class PoolAttention:
     def __init__(self, b, cfg):
         self.b, self.cfg = b, cfg

@@ -105,10 +105,13 @@ class Engine:
             raise GenerationError("this engine has no tokenizer; use generate_ids")
         use_chat = self.chat_template if chat_template is None else chat_template
         if use_chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation through the tokenizer's chat template, ready for the reply."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def generate(self, prompt: str, max_new_tokens: int | None = None, target_only: bool = False,
                  stop: list[str] | None = None, chat_template: bool | None = None,

@@ -21,15 +21,22 @@ class BatchCost:
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._prior = (prior_fixed, prior_per_row)
         self.calls = 0
+        self._fit: tuple[float, float] | None = None  # fit() until the next observe()
 
     def observe(self, rows: int, seconds: float) -> None:
         d = self.decay
         self._n, self._sx, self._sy = d * self._n + 1, d * self._sx + rows, d * self._sy + seconds
         self._sxx, self._sxy = d * self._sxx + rows * rows, d * self._sxy + rows * seconds
         self.calls += 1
+        self._fit = None
 
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per row); the prior's shape scaled to the mean until rows vary."""
+        if self._fit is None:  # asked once per request per step: solved once per observation
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         n = self._n
         if n == 0:
             return self._prior

@@ -237,11 +237,9 @@ def _chat_ids(state: ServerState, body: p.ChatRequest) -> list[int]:
         raise GenerationError("this model has no chat template; use /v1/completions")
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return state.engine.encode_chat(messages)
     except Exception as exc:  # the template's own checks (roles must alternate, ...) are the client's errors
         raise GenerationError(f"the messages do not fit the model's chat template: {exc}") from None
-    # the same shape handling as Engine.encode: a BatchEncoding, a dict or a list
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _to_request(state: ServerState, request: HTTPRequest, body: p._Generate, ids: list[int],

@@ -110,7 +110,7 @@ class BatchEngine:
         self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
         self._running: list[_Live] = []
         self._cond = threading.Condition()
-        self._admitting, self._closed = True, False
+        self._admitting = True
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -171,16 +171,21 @@ class BatchEngine:
 
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # the kept prefixes' sequences go back to the pool
+            if self.prefix is not None:
+                self.prefix.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._running and not len(self._queue) and self._admitting:
                     self._cond.wait()
                 if not self._running and not len(self._queue):
-                    self._close_prefix()
                     return  # shutting down, nothing left
                 if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
                     self._abort_all()
-                    self._close_prefix()
                     return
                 cancelled = self._queue.remove(lambda h: h.cancelled)
                 admitted = self._admit()
@@ -340,10 +345,6 @@ class BatchEngine:
             handle.on_event(event)
         except Exception:  # a listener's failure is its own; the batch goes on
             log.exception("event listener failed")
-
-    def _close_prefix(self) -> None:
-        if self.prefix is not None:
-            self.prefix.clear()
 
     def _abort_all(self) -> None:
         for h in self._queue.drain():
