@@ -24,8 +24,8 @@ MAX_NEW_TOKENS = 16
 
 
 def write_config(path: Path, model: Path, drafter: str = "{kind: ngram, k: 4}", backend: str = "torch",
-                 precision: str = "fp32") -> str:
-    path.write_text(f"target: {{model: {model}, backend: {backend}, precision: {precision}}}\n"
+                 precision: str = "fp32", device: str = "cpu") -> str:
+    path.write_text(f"target: {{model: {model}, backend: {backend}, device: {device}, precision: {precision}}}\n"
                     f"drafter: {drafter}\n"
                     f"generation: {{max_new_tokens: {MAX_NEW_TOKENS}}}\n"
                     "memory: {kv_budget: 1MiB}\n")
@@ -33,14 +33,14 @@ def write_config(path: Path, model: Path, drafter: str = "{kind: ngram, k: 4}", 
 
 
 class ServerProcess:
-    def __init__(self, config: str, *args: str):
+    def __init__(self, config: str, *args: str, env: dict[str, str] | None = None):
         # cwd = the repository root, so `-m hetero_sd.cli` imports this checkout
         self.proc = subprocess.Popen([sys.executable, "-m", "hetero_sd.cli", "serve", "--config", config,
                                       "--port", "0", *args], cwd=REPO, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True,
                                      # One compute thread: OpenMP threads of two busy processes on a
                                      # 2-core host spin against each other (conftest's one_torch_thread)
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""

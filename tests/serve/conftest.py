@@ -23,8 +23,8 @@ def serve_config(tiny_model_dir, tmp_path_factory) -> str:
 def start_server():
     started: list[ServerProcess] = []
 
-    def start(config: str, *args: str) -> ServerProcess:
-        srv = ServerProcess(config, *args)
+    def start(config: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        srv = ServerProcess(config, *args, env=env)
         started.append(srv)
         return srv
 
