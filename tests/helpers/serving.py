@@ -17,6 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
+from hetero_sd.testing.fake_backend import ENV as FAKE_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")  # clients must not send localhost to a proxy
 READY_S = 120  # a loaded 2-core CI host imports torch slowly; only a hang should fail this
@@ -30,6 +32,17 @@ def write_config(path: Path, model: Path, drafter: str = "{kind: ngram, k: 4}", 
                     f"generation: {{max_new_tokens: {MAX_NEW_TOKENS}}}\n"
                     "memory: {kv_budget: 1MiB}\n")
     return str(path)
+
+
+# A fake-backend device whose every runner call sleeps its declared cost, so long requests
+# take seconds on any host: a test that must catch a request still running (a client that
+# leaves, SIGTERM) does not race a fast host. Pass `env=SLOW_ENV` with a config on fake:0.
+SLOW_ENV = {FAKE_ENV: json.dumps({"simulate_time": True, "devices": [{"device": "fake:0", "costs": {
+    "prefill_per_token_s": 0.001, "decode_per_token_s": 0.05, "verify_base_s": 0.05}}]})}
+
+
+def write_slow_config(path: Path, model: Path, drafter: str = "{kind: ngram, k: 4}") -> str:
+    return write_config(path, model, drafter, backend="fake", device="fake:0")
 
 
 class ServerProcess:

@@ -11,7 +11,7 @@ import pytest
 
 import httpx
 
-from helpers.serving import metric, parse_sse, write_config
+from helpers.serving import SLOW_ENV, metric, parse_sse, write_slow_config
 from hetero_sd.transport.segment import SHM_DIR
 
 STREAMS = 8
@@ -54,8 +54,9 @@ def alive(pid: int) -> bool:
 @pytest.fixture
 def worker_config(tiny_model_dir, tmp_path) -> str:
     # the drafter in its own process over shared memory: the server owns segments and a child
-    return write_config(tmp_path / "worker.yaml", tiny_model_dir("llama"),
-                        "{kind: ngram, k: 4, process: worker, transport: shm, threads: 1}")
+    # the target slowed by declared costs, so all 8 are still running when SIGTERM comes on any host
+    return write_slow_config(tmp_path / "worker.yaml", tiny_model_dir("llama"),
+                             "{kind: ngram, k: 4, process: worker, transport: shm, threads: 1}")
 
 
 def read_stream(url: str, i: int, out: dict, started: threading.Event) -> None:
@@ -71,7 +72,7 @@ def read_stream(url: str, i: int, out: dict, started: threading.Event) -> None:
 
 def test_sigterm_ends_every_stream_and_cleans_up(start_server, worker_config):
     # --drain-s 0: requests still running when SIGTERM arrives are aborted at the next step
-    srv = start_server(worker_config, "--max-running", str(STREAMS), "--drain-s", "0")
+    srv = start_server(worker_config, "--max-running", str(STREAMS), "--drain-s", "0", env=SLOW_ENV)
     assert segments(srv.pid), "the worker drafter's shared memory should exist while serving"
     workers = children(srv.pid)
     assert workers
