@@ -27,6 +27,10 @@ class ModelConfig:
     # The LM head scores only token ids < output_vocab (a draft's cheaper head,
     # as EAGLE-3 drafts over a reduced vocabulary); None: all of vocab_size.
     output_vocab: int | None = None
+    # Decoder layers whose outputs the forward also returns, per input row (an
+    # EAGLE-3 draft head fuses a low, mid and high layer): index i is the
+    # residual stream after layer i (0-based), before the final norm. (): none.
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def logits_vocab(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -39,6 +40,24 @@ class ModelIR:
         if not 1 <= n <= self.config.vocab_size:
             raise ModelLoadError(f"{self.source}: an output vocabulary of {n} is outside 1..{self.config.vocab_size}")
         return dataclasses.replace(self, config=dataclasses.replace(self.config, output_vocab=n))
+
+    def with_features(self, layers: tuple[int, ...] | None) -> "ModelIR":
+        """The same model whose forward also returns, for every input row, the
+        hidden states of decoder `layers` (index i: the output of layer i,
+        0-based, before the final norm), concatenated in the given order; a
+        runner of it offers `take_features` (backends/base.py). None: unchanged."""
+        if layers is None:
+            return self
+        n = self.config.num_layers
+        try:
+            layers = tuple(operator.index(i) for i in layers)
+        except TypeError:
+            raise ModelLoadError(f"{self.source}: feature layers must be integers, got {layers!r}") from None
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ModelLoadError(f"{self.source}: feature layer(s) {bad} outside 0..{n - 1} "
+                                 f"(the model has {n} decoder layers)")
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, feature_layers=layers))
 
     @property
     def family(self):

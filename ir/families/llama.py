@@ -247,14 +247,21 @@ class Forward(torch.nn.Module):
         return (max(0, pos + 1 - window) if window else 0), pos + 1
 
     def forward(self, tokens: torch.Tensor, start: int, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, num_logits: int = 1, exact: bool = False) -> torch.Tensor:
-        return self.forward_batch([(tokens, start, k_cache, v_cache, num_logits)], exact)[0]
+                v_cache: torch.Tensor, num_logits: int = 1, exact: bool = False,
+                features: list | None = None) -> torch.Tensor:
+        return self.forward_batch([(tokens, start, k_cache, v_cache, num_logits)], exact, features)[0]
 
-    def forward_batch(self, seqs: list[tuple], exact: bool = False) -> list[torch.Tensor]:
+    def forward_batch(self, seqs: list[tuple], exact: bool = False,
+                      features: list | None = None) -> list[torch.Tensor]:
         """Several sequences in one pass: `seqs` holds forward's (tokens, start,
         k_cache, v_cache, num_logits) per sequence. The linear layers run on all
         rows at once (weights read once); attention runs per sequence over its
-        own cache. With exact=True every row rounds as in a call of its own."""
+        own cache. With exact=True every row rounds as in a call of its own.
+        With `features` (a list) and cfg.feature_layers set, one float32 tensor
+        per sequence is appended to it: the outputs of those decoder layers for
+        every one of its rows, [n, len(feature_layers) * hidden], concatenated in
+        the layers' order (the residual stream after the layer, before the final
+        norm). Capturing them changes no other result."""
         exact = exact and self._exact_mm is not None
         mm = self._exact_mm if exact else F.linear
         x = F.embedding(torch.cat([s[0] for s in seqs]) if len(seqs) > 1 else seqs[0][0],
@@ -267,8 +274,15 @@ class Forward(torch.nn.Module):
             off += n
         ropes = [self._rope(s.start, s.n) for s in segs]
         rope = tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*ropes))
+        wanted = self.cfg.feature_layers if features is not None else ()
+        captured = {}
         for i in range(self.cfg.num_layers):
             x = self._layer(i, x, segs, rope, mm)
+            if i in wanted:
+                captured[i] = x
+        if wanted:
+            feats = torch.cat([captured[i] for i in wanted], dim=-1).float()
+            features.extend(feats.split([s.n for s in segs]))
         rows = [x[s.off + s.n - s.num_logits:s.off + s.n] for s in segs]
         h = self._norm(torch.cat(rows) if len(rows) > 1 else rows[0], self.w["model.norm.weight"])
         return list(mm(h, self.lm_head).float().split([s.num_logits for s in segs]))
