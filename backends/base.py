@@ -15,6 +15,17 @@ classes and register under the `hetero_sd.backends` entry-point group.
              optional  max_batch + forward_batch(items): several sequences' rows in one call,
                        each row rounding exactly as in a call of its own (run_batch() loops
                        over forward for a runner without them: max_batch 1)
+                       feature_layers + take_features(seq_id): when the model IR names feature
+                       layers (ModelIR.with_features; config.feature_layers), every call also
+                       computes those decoder layers' outputs (residual stream after layer i,
+                       0-based, before the final norm) for every input row; take_features
+                       returns them for the sequence's latest forward / greedy / forward_batch
+                       call, float32 [T, len(layers) * hidden] (layers concatenated in the
+                       given order; T: that call's rows, a BatchItem's own rows), then forgets
+                       them (None: no call since). Logits are unchanged by it, bitwise. A model
+                       without feature layers costs nothing (feature_layers == ()); a backend
+                       that cannot return them leaves take_features out (Loader refuses it;
+                       feature_layers(runner) below is what a caller asks)
                        a capability a runner lacks is declared, never faked (a precision
                        whose multi-token calls round differently says batch_invariant=False,
                        and results then say "lossless: up to numerics")
@@ -99,6 +110,12 @@ class Runner(Protocol):
 def batch_capacity(runner) -> int:
     """How many sequences one call of the runner can carry (1: no batched forward)."""
     return getattr(runner, "max_batch", 1) if hasattr(runner, "forward_batch") else 1
+
+
+def feature_layers(runner) -> tuple[int, ...]:
+    """The decoder layers whose hidden states the runner's take_features returns
+    (the Runner docstring above); () when it returns none."""
+    return tuple(getattr(runner, "feature_layers", ())) if hasattr(runner, "take_features") else ()
 
 
 def run_batch(runner, items: Sequence[BatchItem]) -> list[np.ndarray]:

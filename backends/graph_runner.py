@@ -17,10 +17,11 @@ from hetero_sd.ir.model import ModelIR
 
 
 class GraphRunner(PooledRunner):
-    """Subclasses implement `_infer(feeds, past) -> (logits, new_kv)`: feeds are
-    the small per-step inputs, past the sequence's per-layer slab views, the
-    same dict object on every call for a sequence (a runtime that binds
-    buffers once can tell by identity that nothing moved)."""
+    """Subclasses implement `_infer(feeds, past) -> (logits, new_kv[, features])`:
+    feeds are the small per-step inputs, past the sequence's per-layer slab
+    views, the same dict object on every call for a sequence (a runtime that
+    binds buffers once can tell by identity that nothing moved). The graph has
+    the `features` output only when the model names feature layers."""
 
     WINDOW_BLOCK = 32  # attention windows grow in steps of this many slots
 
@@ -48,6 +49,13 @@ class GraphRunner(PooledRunner):
         # rows (the token twice, the second a discarded position) so decode
         # and verify share the multi-row kernel.
         self._pad_single_row = pad_single_row
+        self.feature_layers = cfg.feature_layers  # (): the graph has no features output
+        self._features: dict[int, np.ndarray] = {}
+
+    def take_features(self, seq_id: int) -> np.ndarray | None:
+        """The feature layers' hidden states [T, len(layers) * hidden] of the
+        sequence's latest call (backends/base.py), then forgotten."""
+        return self._features.pop(seq_id, None)
 
     def allocate(self, capacity: int) -> int:
         # A slab of whole blocks lets every attention window be a whole number
@@ -68,11 +76,12 @@ class GraphRunner(PooledRunner):
         self._past[seq] = {f"past_{n}_{i}": slab[j, i][None] for j, n in enumerate("kv") for i in range(self._layers)}
         return seq
 
-    def _infer(self, feeds: dict, past: dict) -> tuple[np.ndarray, np.ndarray]:
+    def _infer(self, feeds: dict, past: dict) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         n = len(tokens)
+        self._features.pop(seq_id, None)
         with self._alloc.writing(seq_id, start, n):
             return self._run(seq_id, tokens, start, num_logits)
 
@@ -86,8 +95,11 @@ class GraphRunner(PooledRunner):
                  "past_len": np.asarray(start, dtype=np.int64),
                  "window": np.asarray(self._window(start + len(ids), slab.shape[3]), dtype=np.int64),
                  "num_logits": np.asarray(num_logits + pad, dtype=np.int64)}
-        logits, new_kv = self._infer(feeds, self._past[seq_id])
+        outs = self._infer(feeds, self._past[seq_id])
+        logits, new_kv = outs[0], outs[1]
         slab[:, :, :, start:start + n] = new_kv[:, :, :, :n]
+        if self.feature_layers:
+            self._features[seq_id] = np.array(outs[2][:n])  # a copy, as the logits
         return np.array(logits[:num_logits])  # a copy: runtimes may reuse output buffers
 
     def _window(self, end: int, reserved: int) -> int:
@@ -99,7 +111,7 @@ class GraphRunner(PooledRunner):
 
     max_batch = 1  # sequences per forward_batch call: a runtime with the batched graph raises it
 
-    def _infer_batch(self, feeds: dict) -> tuple[np.ndarray, np.ndarray]:
+    def _infer_batch(self, feeds: dict) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
@@ -112,14 +124,19 @@ class GraphRunner(PooledRunner):
             # at the same position (both write the same K/V), keep the first
             (tok,), (pos,), _ = rows[0]
             rows = [([tok, tok], [pos, pos], 2)]
+        for it in items:
+            self._features.pop(it.seq_id, None)
         with ExitStack() as stack:
             for it in items:
                 stack.enter_context(self._alloc.writing(it.seq_id, it.start, len(it.tokens)))
             feeds, offsets = self._batch_feeds(items, rows)
-            logits, new_kv = self._infer_batch(feeds)
+            outs = self._infer_batch(feeds)
+            logits, new_kv = outs[0], outs[1]
             for it, off in zip(items, offsets):
                 n = len(it.tokens)
                 self._slabs[it.seq_id][:, :, :, it.start:it.start + n] = new_kv[:, :, :, off:off + n]
+                if self.feature_layers:
+                    self._features[it.seq_id] = np.array(outs[2][off:off + n])
         out, row = [], 0
         for it, (_, _, computed) in zip(items, rows):
             out.append(np.array(logits[row:row + it.num_logits]))  # a copy: runtimes reuse output buffers
@@ -159,6 +176,7 @@ class GraphRunner(PooledRunner):
         super().release(seq_id)
         self._slabs.pop(seq_id, None)
         self._past.pop(seq_id, None)
+        self._features.pop(seq_id, None)
 
     def kv_buffers(self) -> tuple[np.ndarray]:
         """The pool's memory (for tests that prove rollback moves no data)."""

@@ -12,7 +12,11 @@ Graph contract, designed for pre-allocated KV pools and batch invariance:
            new_kv float [2, layers, kv_heads, T, head_dim]: only the new
            positions' K and V, which the backend writes into its pool (it
            stays owner) with one strided copy: one output, not two per layer,
-           keeps the per-step work outside the runtime to a few calls.
+           keeps the per-step work outside the runtime to a few calls,
+           features float [T, len(feature_layers) * hidden]: only when the
+           model's config names feature layers, every row's residual stream
+           after each of those layers (before the final norm), concatenated
+           in their order; a graph without them has no such output.
 Attention runs over the window's slots with the new keys placed at their
 absolute positions, so every row reduces over the same values in the same
 order whatever T is, the masked tail adding exact zeros: a k-token verify
@@ -108,6 +112,7 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool 
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
 
     x = b.op("Gather", linear.embedding("model.embed_tokens.weight"), "input_ids", axis=0)
+    captured = {}  # feature layer -> its output [T, hidden]
     for i in range(cfg.num_layers):
         if progress is not None:
             progress(i, cfg.num_layers, f"layer {i}")
@@ -140,6 +145,8 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool 
                                         axis=-1))
         gate = b.op("Mul", gate, b.op("Sigmoid", gate))
         x = b.op("Add", x, linear(b.op("Mul", gate, up), [p + "mlp.down_proj.weight"]))
+        if i in cfg.feature_layers:
+            captured[i] = x
 
     stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
     b.op("Concat", *[b.op("Unsqueeze", kv_, i64(0)) for kv_ in stacked], axis=0, out="new_kv")
@@ -147,6 +154,8 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool 
     x = _rms_norm(b, kv.logit_rows(x), weights["model.norm.weight"], cfg.rms_norm_eps)
     linear(x, ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"], head=True,
            out="logits", rows=cfg.output_vocab)
+    if cfg.feature_layers:
+        b.op("Concat", *[captured[i] for i in cfg.feature_layers], axis=-1, out="features")
     return _make_model(b, cfg, kv.inputs())
 
 
@@ -223,6 +232,8 @@ def _make_model(b: Builder, cfg, inputs: list) -> onnx.ModelProto:
     f = TensorProto.FLOAT
     outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.logits_vocab]),
                helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T", cfg.head_dim])]
+    if cfg.feature_layers:
+        outputs.append(helper.make_tensor_value_info("features", f, ["T", len(cfg.feature_layers) * cfg.hidden_size]))
     graph = helper.make_graph(b.nodes, "hetero_sd_llama", inputs, outputs, b.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                    helper.make_opsetid("com.microsoft", 1)],

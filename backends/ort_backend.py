@@ -62,9 +62,14 @@ def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = F
     import onnx
     import onnxruntime as ort
 
-    head = {"head": model.config.output_vocab} if model.config.output_vocab else {}
+    cfg = model.config
+    extra = {"head": cfg.output_vocab} if cfg.output_vocab else {}
+    if batched:
+        extra["batched"] = 1
+    if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
+        extra["features"] = list(cfg.feature_layers)
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
-                       onnx=onnx.__version__, ort=ort.__version__, **head, **({"batched": 1} if batched else {}))
+                       onnx=onnx.__version__, ort=ort.__version__, **extra)
 
     def build(path):
         if progress is not None:

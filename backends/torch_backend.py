@@ -107,6 +107,17 @@ class TorchRunner(PooledRunner):
                 if tensor.dim() == 2 and (name != "model.embed_tokens.weight" or cfg.tie_word_embeddings):
                     exact.calibrate(tensor)
         self._forward = model.family.Forward(cfg, weights, dtype, exact_linear=exact)
+        self.feature_layers = cfg.feature_layers  # (): the forward captures nothing
+        self._features: dict[int, np.ndarray] = {}
+
+    def take_features(self, seq_id: int) -> np.ndarray | None:
+        """The feature layers' hidden states [T, len(layers) * hidden] of the
+        sequence's latest call (backends/base.py), then forgotten."""
+        return self._features.pop(seq_id, None)
+
+    def _keep_features(self, seq_ids, feats: list) -> None:
+        for seq_id, f in zip(seq_ids, feats):
+            self._features[seq_id] = f.cpu().numpy()
 
     def allocate(self, capacity: int) -> int:
         return self._alloc.allocate(capacity)
@@ -120,7 +131,12 @@ class TorchRunner(PooledRunner):
             # k-token verify equals k one-token steps. A prefill (fewer logits
             # than rows) is the same call in every mode and may take fast kernels.
             exact = self.precision.batch_invariant and num_logits == len(tokens)
-            return self._forward(ids, start, self._k[:, :, region], self._v[:, :, region], num_logits, exact)
+            self._features.pop(seq_id, None)
+            feats = [] if self.feature_layers else None
+            out = self._forward(ids, start, self._k[:, :, region], self._v[:, :, region], num_logits, exact, feats)
+            if feats:
+                self._keep_features([seq_id], feats)
+            return out
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         return self._run(seq_id, tokens, start, num_logits).cpu().numpy()
@@ -143,12 +159,20 @@ class TorchRunner(PooledRunner):
                     region = slice(ext.offset, ext.offset + ext.reserved)
                     ids = torch.as_tensor(np.asarray(it.tokens, dtype=np.int64), device=self._torch_device)
                     seqs.append((ids, it.start, self._k[:, :, region], self._v[:, :, region], it.num_logits))
-                logits = self._forward.forward_batch(seqs, self.precision.batch_invariant)
+                    self._features.pop(it.seq_id, None)
+                feats = [] if self.feature_layers else None
+                logits = self._forward.forward_batch(seqs, self.precision.batch_invariant, feats)
+            if feats:
+                self._keep_features([it.seq_id for it in together], feats)
             out.update({id(it): row.cpu().numpy() for it, row in zip(together, logits)})
         return [out[id(it)] for it in items]
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self._run(seq_id, tokens, start, num_logits).argmax(-1).tolist()
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self._features.pop(seq_id, None)
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K and V buffers (for tests and tools that inspect the pool)."""
