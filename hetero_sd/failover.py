@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from hetero_sd.backends.base import BatchItem, batch_capacity, run_batch
+from hetero_sd.backends.base import BatchItem, batch_capacity, feature_layers, run_batch
 from hetero_sd.drafting.base import Drafter, apply_delta
-from hetero_sd.errors import ConfigError, GenerationError, KVBudgetError, describe
+from hetero_sd.errors import BackendError, ConfigError, GenerationError, KVBudgetError, describe
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
 
@@ -109,6 +109,15 @@ class FailoverRunner:
         self.events: list[str] = []
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
+        # Hidden states (backends/base.py), passed through when the runner returns
+        # them; every replacement must return the same layers (it is loaded from
+        # the same spec: _move checks). A failed runner's features not yet taken
+        # are carried over; the replay's own are dropped.
+        self._layers = feature_layers(runner)
+        self._carried: dict[int, object] = {}
+        if self._layers:
+            self.feature_layers = self._layers
+            self.take_features = self._take_features
 
     device = property(lambda self: self.current.device)
     precision = property(lambda self: self.current.precision)
@@ -134,8 +143,17 @@ class FailoverRunner:
         self._seqs[self._next_id] = _Seq(inner, capacity)
         return self._next_id
 
+    def _take_features(self, seq_id: int):
+        s = self._seqs.get(seq_id)
+        if s is None:
+            return None
+        carried = self._carried.pop(seq_id, None)
+        got = self.current.take_features(s.inner)
+        return got if got is not None else carried  # the replacement's are newer
+
     def _run(self, method: str, seq_id: int, tokens, start: int, num_logits: int):
         s = self._seqs[seq_id]
+        self._carried.pop(seq_id, None)
         out = self._guarded(lambda: getattr(self.current, method)(s.inner, tokens, start, num_logits))
         del s.tokens[start:]
         s.tokens.extend(tokens)
@@ -154,6 +172,8 @@ class FailoverRunner:
         """Several sequences in one target call (backends.base.run_batch); after a
         device failure the batch is re-run on the replacement, ids mapped anew."""
         seqs = [self._seqs[i.seq_id] for i in items]
+        for i in items:
+            self._carried.pop(i.seq_id, None)
         out = self._guarded(lambda: run_batch(self.current, [
             BatchItem(s.inner, i.tokens, i.start, i.num_logits) for s, i in zip(seqs, items)]))
         for s, i in zip(seqs, items):
@@ -187,6 +207,7 @@ class FailoverRunner:
 
     def release(self, seq_id: int) -> None:
         s = self._seqs.pop(seq_id)
+        self._carried.pop(seq_id, None)
         try:
             self.current.release(s.inner)
         except Exception as exc:  # the output is complete; a broken pool must not lose it
@@ -204,6 +225,12 @@ class FailoverRunner:
             if replacement is None:
                 raise GenerationError(f"the target on {where(failed)} failed ({describe(exc)}) and no other "
                                       "device can take it") from exc
+            if self._layers and feature_layers(replacement) != self._layers:
+                self.events.append(f"replacement {where(replacement)} cannot return the hidden states of "
+                                   f"layers {list(self._layers)} (it returns {list(feature_layers(replacement))})")
+                failed, exc = replacement, BackendError(
+                    f"{where(replacement)} cannot return the hidden states of layers {list(self._layers)}")
+                continue
             try:
                 inner = {seq_id: self._replay(replacement, s) for seq_id, s in self._seqs.items()}
                 break
@@ -212,7 +239,15 @@ class FailoverRunner:
                     raise
                 self.events.append(f"replacement {where(replacement)} failed: {describe(again)}")
                 failed, exc = replacement, again
-        for s in self._seqs.values():
+        for seq_id, s in self._seqs.items():
+            if self._layers:
+                try:
+                    kept = original.take_features(s.inner)
+                except Exception:  # a dead device's host-side results may be gone too
+                    kept = None
+                if kept is not None:
+                    self._carried[seq_id] = kept
+                replacement.take_features(inner[seq_id])  # the replay's: not a call of the caller's
             try:
                 original.release(s.inner)
             except Exception:  # a dead device may not even release; its pool goes with it

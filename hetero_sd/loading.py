@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner, feature_layers, resolve
 from hetero_sd.backends.registry import BUILTINS, Registry, discover, load_builtin
 from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.errors import BackendError, describe
@@ -61,9 +61,15 @@ class Loader:
         info, precision = self.check(spec)
         with _progress(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
                        ) as progress:
-            model = self.ir(spec.model).with_output_vocab(spec.vocab)
-            return self.backend(spec.backend).load(model, info.device, precision.name, spec.kv_budget,
-                                                   progress=progress)
+            model = self.ir(spec.model).with_output_vocab(spec.vocab).with_features(spec.features or None)
+            runner = self.backend(spec.backend).load(model, info.device, precision.name, spec.kv_budget,
+                                                     progress=progress)
+        if spec.features and feature_layers(runner) != tuple(spec.features):
+            # a backend that ignores the model's feature layers (a plugin written before them)
+            raise BackendError(f"{spec.role}: backend {spec.backend!r} cannot return hidden states "
+                               f"(features of layers {list(spec.features)} were asked for; its runner has "
+                               f"no take_features for them): run it on torch, onnxruntime or openvino")
+        return runner
 
 
 class _Progress:

@@ -32,6 +32,7 @@ class ModelSpec:
     kv_budget: int = DEFAULT_KV_BUDGET
     role: str = "draft model"  # how errors and progress bars name it ("target", "drafter.stages.0")
     vocab: int | None = None  # a draft's LM head over token ids < vocab only (None: all)
+    features: tuple[int, ...] = ()  # decoder layers whose hidden states the runner returns (take_features)
 
     @property
     def label(self) -> str:

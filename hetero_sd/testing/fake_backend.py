@@ -46,7 +46,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, feature_layers, resolve
 from hetero_sd.ir.errors import BackendError, ConfigError
 
 ENV = "HETERO_SD_FAKE_BACKEND"  # the devices (JSON, or a YAML/JSON file)
@@ -306,6 +306,8 @@ class FakeRunner:
         self.failures = 0  # calls that failed as injected
         self._costs, self._failure, self._on_fire = costs, failure, on_fire
         self._lock = threading.Lock()
+        if feature_layers(inner):  # hidden states (backends/base.py): the wrapped runner's, untouched
+            self.feature_layers, self.take_features = inner.feature_layers, inner.take_features
 
     def declared_costs(self) -> FakeCosts:
         return self._costs
