@@ -2,6 +2,7 @@
 
     base.py     the Drafter contract (required and optional methods), context deltas
     ngram.py    prompt lookup (model-free)
+    suffix.py   suffix decoding: suffix trees of this request and of earlier outputs (model-free)
     model.py    a draft model on any backend
     cascade.py  k-stage cascades: each stage verifies the one inside it
     specs.py    the drafter spec tree a config or a plan becomes
@@ -17,6 +18,7 @@ from hetero_sd.drafting.cascade import CascadeDrafter
 from hetero_sd.drafting.model import ModelDrafter
 from hetero_sd.drafting.ngram import NgramDrafter
 from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, WorkerSpec
+from hetero_sd.drafting.suffix import SuffixDrafter
 
 __all__ = ["CascadeDrafter", "CascadeSpec", "Drafter", "DrafterSpec", "ModelDrafter", "ModelSpec", "NgramDrafter",
-           "NgramSpec", "WorkerSpec", "apply_delta", "common_prefix"]
+           "NgramSpec", "SuffixDrafter", "WorkerSpec", "apply_delta", "common_prefix"]
