@@ -21,7 +21,7 @@ from hetero_sd.loading import Loader
 from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
                                  replan, replan_if_drifted)
-from hetero_sd.spec import EngineSpec, model_path
+from hetero_sd.spec import EngineSpec, model_path, suffix_spec
 
 
 def _pinned(section, load: Loader) -> Placement | None:
@@ -42,7 +42,8 @@ def _pinned(section, load: Loader) -> Placement | None:
 def constraints(cfg: Config, load: Loader) -> Constraints:
     d = cfg.drafter
     return Constraints(target=_pinned(cfg.target, load),
-                       drafter=None if d.kind == "auto" else d.kind,
+                       # the suffix drafter is planned as the model-free drafter (its costs are alike)
+                       drafter=None if d.kind == "auto" else "ngram" if d.kind == "suffix" else d.kind,
                        draft_placement=_pinned(d, load) if d.kind in ("auto", "model") else None,
                        k=None if d.k == "auto" else d.k)
 
@@ -130,7 +131,7 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
 
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":
-            return NgramSpec(d.min_ngram, d.max_ngram)
+            return suffix_spec(d) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
         return model_spec(draft_path, candidate.draft_placement, "draft model")
 
     vocab = load.ir(target_path).config.vocab_size

@@ -40,6 +40,7 @@ Mode = Literal["sync", "async"]  # async: the worker drafts ahead while the targ
 Seconds = Annotated[float, Field(gt=0)]
 WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads", "cpus")  # need process: worker
 CPUs = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+SUFFIX_KINDS = ("suffix", "hybrid")  # the drafter kinds the suffix_* keys configure
 
 
 class StageConfig(_Section):
@@ -62,12 +63,21 @@ class StageConfig(_Section):
 
 
 class DrafterConfig(_Section):
-    kind: Literal["ngram", "model", "none", "auto"] = "ngram"  # auto: the splitter picks (placement: auto)
+    kind: Literal["ngram", "suffix", "model", "none", "auto"] = "ngram"  # auto: the splitter picks (placement: auto)
     # A fixed draft length, or "auto": adapt it per round to acceptance and measured costs.
     k: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | Literal["auto"] = 5
     k_max: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)  # the bound for k: auto
     min_ngram: int = Field(2, ge=1)
     max_ngram: int = Field(4, ge=1)
+    # kind=suffix: suffix decoding (hetero_sd/drafting/suffix.py). The longest suffix of the
+    # context (<= suffix_max_depth tokens) seen before, in this request or an earlier output,
+    # and its most frequent continuation: at most suffix_factor * match length tokens, while
+    # its estimated probability stays >= suffix_min_prob. suffix_cache_requests: earlier
+    # outputs kept for all later requests of the engine (FIFO; 0: none).
+    suffix_max_depth: int = Field(24, ge=1, le=1024)
+    suffix_factor: float = Field(1.0, gt=0)
+    suffix_min_prob: float = Field(0.1, ge=0, le=1)
+    suffix_cache_requests: int = Field(256, ge=0)
     model: str | None = None  # kind=model: defaults to the target's model
     backend: str = "torch"
     device: str = "cpu"
@@ -257,12 +267,16 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(f"{path}: {exc}") from None
     if cfg.placement == "manual" and cfg.drafter.kind == "auto":
         raise ConfigError(f"{path}: drafter.kind: 'auto' needs 'placement: auto' at the top level "
-                          "(or name a kind: ngram, model, none)")
+                          "(or name a kind: ngram, suffix, model, none)")
     if isinstance(cfg.drafter.k, int) and cfg.drafter.k > cfg.drafter.k_max and "k_max" in cfg.drafter.model_fields_set:
         raise ConfigError(f"{path}: drafter.k ({cfg.drafter.k}) exceeds drafter.k_max ({cfg.drafter.k_max})")
     if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
         raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
                           f"drafter.max_ngram ({cfg.drafter.max_ngram})")
+    suffix_keys = sorted(k for k in cfg.drafter.model_fields_set if k.startswith("suffix_"))
+    if suffix_keys and cfg.drafter.kind not in SUFFIX_KINDS:
+        raise ConfigError(f"{path}: drafter.{suffix_keys[0]} sets the suffix drafter; it needs drafter.kind: "
+                          f"{' or '.join(SUFFIX_KINDS)} (kind is {cfg.drafter.kind!r})")
     if cfg.drafter.vocab is not None and cfg.drafter.kind != "model":
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
                           f"drafter.kind: model (kind is {cfg.drafter.kind!r})")
@@ -275,10 +289,11 @@ def _check_workers(cfg: Config, path: Path) -> None:
     """Worker and cascade keys that cannot work together, named by key path."""
     d = cfg.drafter
     levels = [("drafter", d)] + [(f"drafter.stages.{i}", s) for i, s in enumerate(d.stages)]
-    if (d.process == "worker" or d.stages) and (cfg.placement == "auto" or d.kind not in ("ngram", "model")):
+    if (d.process == "worker" or d.stages) and (cfg.placement == "auto"
+                                                or d.kind not in ("ngram", "suffix", "model")):
         key = "drafter.stages" if d.stages else "drafter.process"
-        raise ConfigError(f"{path}: {key}: workers and cascades need drafter.kind ngram or model with "
-                          f"placement: manual (got kind {d.kind!r}, placement {cfg.placement!r})")
+        raise ConfigError(f"{path}: {key}: workers and cascades need drafter.kind ngram or model (or suffix) "
+                          f"with placement: manual (got kind {d.kind!r}, placement {cfg.placement!r})")
     for key, level in levels:
         if level.process == "inproc":
             for name in WORKER_KEYS:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetero_sd.config import Config, resolve_model
-from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, WorkerSpec
+from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, SuffixSpec, WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ def placed(cfg: Config, section, role: str) -> ModelSpec:
                      cfg.memory.kv_budget, role, getattr(section, "vocab", None))
 
 
+def suffix_spec(section) -> SuffixSpec:
+    """The suffix drafter a drafter section's suffix_* keys describe."""
+    return SuffixSpec(section.suffix_max_depth, section.suffix_factor, section.suffix_min_prob,
+                      section.suffix_cache_requests)
+
+
 def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     """placement: manual. The drafter is the innermost level; each stage (the last
     listed first, stages.0 closest to the target) verifies the level inside it;
@@ -52,7 +58,8 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     if d.kind != "none" and not target_only:
         levels = [d] + [d.stages[i] for i in reversed(range(len(d.stages)))]  # innermost first
         worker = max((j for j, level in enumerate(levels) if level.process == "worker"), default=None)
-        drafter = NgramSpec(d.min_ngram, d.max_ngram) if d.kind == "ngram" else placed(cfg, d, "draft model")
+        drafter = suffix_spec(d) if d.kind == "suffix" else \
+            NgramSpec(d.min_ngram, d.max_ngram) if d.kind == "ngram" else placed(cfg, d, "draft model")
         default_k = d.k if isinstance(d.k, int) else d.k_max
         for j, level in enumerate(levels):
             if j > 0:

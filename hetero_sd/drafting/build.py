@@ -17,7 +17,8 @@ from hetero_sd.drafting.cascade import CascadeDrafter
 from hetero_sd.drafting.model import ModelDrafter
 from hetero_sd.drafting.ngram import NgramDrafter
 from hetero_sd.drafting.remote import RemoteDrafter
-from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, WorkerSpec
+from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, SuffixSpec, WorkerSpec
+from hetero_sd.drafting.suffix import SuffixDrafter
 from hetero_sd.loading import Loader
 
 
@@ -27,6 +28,8 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     load = Loader() if load is None else load
     if isinstance(spec, NgramSpec):
         return NgramDrafter(spec.min_ngram, spec.max_ngram)
+    if isinstance(spec, SuffixSpec):
+        return SuffixDrafter(spec.max_depth, spec.factor, spec.min_token_prob, spec.max_cached_requests)
     if isinstance(spec, ModelSpec):
         return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab)
     if isinstance(spec, CascadeSpec):

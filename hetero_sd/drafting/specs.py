@@ -6,6 +6,7 @@ drafters: in the engine's process, or inside a worker process for the part of
 the tree under a WorkerSpec.
 
     NgramSpec(min_ngram=2, max_ngram=4)                                   prompt lookup
+    SuffixSpec(max_depth=24, factor=1.0, min_token_prob=0.1)              suffix decoding
     ModelSpec("/m/draft.gguf", "onnxruntime", "cpu", "int4")              a draft model
     CascadeSpec(inner=NgramSpec(), stage=ModelSpec(...), k=4)             ngram drafts, the model verifies
     WorkerSpec(inner=ModelSpec(...), transport="shm", mode="async")       in its own process
@@ -50,6 +51,22 @@ class NgramSpec:
 
 
 @dataclass(frozen=True)
+class SuffixSpec:
+    """Suffix decoding (drafting/suffix.py): the longest context suffix of at most
+    `max_depth` tokens seen before, in this request or in the last
+    `max_cached_requests` outputs, and its most frequent continuation."""
+
+    max_depth: int = 24
+    factor: float = 1.0  # drafts <= factor * match length
+    min_token_prob: float = 0.1  # stop where the draft's estimated probability falls below
+    max_cached_requests: int = 256  # earlier outputs kept (FIFO); 0: this request's context only
+
+    @property
+    def label(self) -> str:
+        return "suffix"
+
+
+@dataclass(frozen=True)
 class CascadeSpec:
     """`inner` drafts k tokens at a time for the `stage` model to verify; the
     stage's greedy continuation is what the cascade proposes."""
@@ -81,7 +98,7 @@ class WorkerSpec:
         return f"{self.inner.label}@{self.transport}" + ("-async" if self.mode == "async" else "")
 
 
-DrafterSpec = Union[NgramSpec, ModelSpec, CascadeSpec, WorkerSpec]
+DrafterSpec = Union[NgramSpec, SuffixSpec, ModelSpec, CascadeSpec, WorkerSpec]
 
 
 def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
@@ -97,5 +114,5 @@ def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
 
 def has_distributions(spec: DrafterSpec) -> bool:
     """Whether the drafter returns draft distributions under sampling (a
-    cascade's and an n-gram's proposals are deterministic: q is one-hot)."""
+    cascade's, an n-gram's and a suffix drafter's proposals are deterministic: q is one-hot)."""
     return isinstance(spec, ModelSpec) or isinstance(spec, WorkerSpec) and has_distributions(spec.inner)

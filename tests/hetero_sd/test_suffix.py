@@ -4,13 +4,19 @@ engine: greedy output equals target-only, and earlier requests' outputs raise
 acceptance on later ones."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetero_sd.config import load_config
+from hetero_sd.drafting.build import build_drafter
+from hetero_sd.drafting.specs import SuffixSpec, WorkerSpec, has_distributions
 from hetero_sd.drafting.suffix import GlobalTree, RequestTree, SuffixDrafter
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest
+from hetero_sd.spec import spec_from_config
 
 
 # ------------------------------------------------------------------ brute-force reference
@@ -377,3 +383,39 @@ def test_requests_in_turn_match_the_reference(requests, cap, max_depth):
         drafter.reset()
         earlier = (earlier + [prompt[max(0, len(prompt) - max_depth):] + output])[-cap:]
         assert drafter.global_tree.counts() == ref_counts(earlier, drafter.depth)
+
+
+# ------------------------------------------------------------------ configuration
+def _yaml(tmp_path, drafter: str, model=None) -> Path:
+    path = tmp_path / "suffix.yaml"
+    path.write_text(f"target: {{model: {model or tmp_path}, precision: fp32}}\ndrafter: {drafter}\n"
+                    "memory: {kv_budget: 4MiB}\ngeneration: {max_new_tokens: 16, chat_template: false}\n")
+    return path
+
+
+def test_yaml_suffix_drafter_becomes_its_spec_and_drafter(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "{kind: suffix, k: 6, suffix_max_depth: 32, suffix_factor: 1.5, "
+                                      "suffix_min_prob: 0.2, suffix_cache_requests: 9}"))
+    spec = spec_from_config(cfg).drafter
+    assert spec == SuffixSpec(32, 1.5, 0.2, 9) and spec.label == "suffix"
+    drafter = build_drafter(spec, target_vocab=100)
+    assert isinstance(drafter, SuffixDrafter)
+    assert (drafter.max_depth, drafter.factor, drafter.min_token_prob, drafter.max_cached_requests) == (32, 1.5, 0.2, 9)
+    assert spec_from_config(load_config(_yaml(tmp_path, "{kind: suffix}"))).drafter == SuffixSpec()
+    worker = spec_from_config(load_config(_yaml(tmp_path, "{kind: suffix, process: worker, transport: pipe}")))
+    assert worker.drafter == WorkerSpec(SuffixSpec(), "pipe") and not has_distributions(worker.drafter)
+
+
+@pytest.mark.parametrize("drafter, words", [
+    ("{kind: suffix, suffix_factr: 2}", ["suffix.yaml", "drafter.suffix_factr", "unknown key", "suffix_factor"]),
+    ("{kind: suffix, suffix_min_prob: 2}", ["suffix.yaml", "drafter.suffix_min_prob", "less than or equal to 1"]),
+    ("{kind: suffix, suffix_max_depth: 0}", ["drafter.suffix_max_depth", "greater than or equal to 1"]),
+    ("{kind: suffix, suffix_factor: 0}", ["drafter.suffix_factor", "greater than 0"]),
+    ("{kind: ngram, suffix_factor: 2}", ["suffix.yaml", "drafter.suffix_factor", "drafter.kind: suffix", "'ngram'"]),
+    ("{kind: sufix}", ["drafter.kind", "'suffix'"]),
+])
+def test_yaml_suffix_errors_name_the_key_and_file(tmp_path, drafter, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(_yaml(tmp_path, drafter))
+    for word in words:
+        assert word in str(err.value)
