@@ -419,3 +419,104 @@ def test_yaml_suffix_errors_name_the_key_and_file(tmp_path, drafter, words):
         load_config(_yaml(tmp_path, drafter))
     for word in words:
         assert word in str(err.value)
+
+
+# ------------------------------------------------------------------ the engine
+def _torch_target(folder):
+    from hetero_sd.backends.torch_backend import TorchBackend
+    from hetero_sd.ir import load_model_ir
+
+    return TorchBackend().load(load_model_ir(folder), "cpu", "fp32", 4 << 20)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    """Random prompts of several lengths, every other one with a repeated stretch."""
+    from helpers.tiny_models import random_prompt
+
+    out = []
+    for i in range(count):
+        head = random_prompt(4 + 5 * i, seed=seed + i)
+        out.append(head + head if i % 2 else head)
+    return out
+
+
+@pytest.mark.parametrize("variant, ks", [("llama", range(1, 9)), ("qwen2", (2, 5, 8))])
+def test_greedy_output_equals_target_only(tiny_model_dir, variant, ks):
+    """k = 1..8, prompts of several lengths and seeds, one engine per k: each
+    drafts three requests, the third a repeat of the first, so the global tree
+    (earlier outputs) drafts as well as the request's own."""
+    from hetero_sd.engine import Engine
+
+    target = _torch_target(tiny_model_dir(variant))
+    prompts = _prompts(4, seed=11)
+    new = [16, 20, 18, 22]
+    want = [Engine(target, None).generate_ids(p, n, target_only=True) for p, n in zip(prompts, new)]
+    drafted = accepted = 0
+    for k in ks:
+        drafter = SuffixDrafter()
+        engine = Engine(target, drafter, k=k, eos_ids=())
+        for i in (k % 4, (k + 1) % 4, k % 4):
+            got = engine.generate_ids(prompts[i], new[i])
+            assert got.token_ids == want[i].token_ids, f"{variant} k={k} prompt {i}: diverged"
+            assert got.stats.finish_reason == want[i].stats.finish_reason and got.stats.lossless == "exact"
+            drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
+        assert len(drafter.global_tree.order) == 3
+    assert 0 < accepted < drafted  # both accepted and rejected drafts were exercised
+
+
+def _pass(engine, prompts, new=20) -> list[tuple]:
+    out = []
+    for prompt in prompts:
+        res = engine.generate_ids(prompt, new)
+        out.append((tuple(res.token_ids), res.stats.drafted, res.stats.accepted, res.stats.rounds))
+    return out
+
+
+def test_earlier_outputs_raise_acceptance_and_clear_global_forgets_them(tiny_model_dir):
+    from hetero_sd.engine import Engine
+
+    target = _torch_target(tiny_model_dir("llama"))
+    drafter = SuffixDrafter()
+    engine = Engine(target, drafter, k=4, eos_ids=())
+    prompts = _prompts(4, seed=3)
+    first = _pass(engine, prompts)
+    second = _pass(engine, prompts)
+    for prompt, (ids1, drafted1, accepted1, _), (ids2, drafted2, accepted2, _) in zip(prompts, first, second):
+        assert ids1 == ids2 == tuple(engine.generate_ids(prompt, 20, target_only=True).token_ids)
+        assert accepted2 >= accepted1 and accepted2 / drafted2 >= accepted1 / max(drafted1, 1)
+    # The same prompt again: its output is in the global tree, found from the prompt's tail.
+    assert all(a2 > a1 for (_, _, a1, _), (_, _, a2, _) in zip(first, second))
+    drafter.clear_global()
+    assert _pass(engine, prompts) == first  # deterministic: what pass 1 saw, pass 3 sees
+
+
+def test_yaml_suffix_drafter_in_a_worker_keeps_its_global_tree(tiny_model_dir, tmp_path, one_torch_thread):
+    from hetero_sd.drafting.remote import RemoteDrafter
+    from hetero_sd.engine import build_engine
+
+    cfg = load_config(_yaml(tmp_path, "{kind: suffix, k: 4, process: worker, transport: pipe, mode: async, "
+                                      "threads: 1}", model=tiny_model_dir("llama")))
+    engine = build_engine(cfg)
+    try:
+        assert isinstance(engine.drafter, RemoteDrafter)
+        prompt = _prompts(2, seed=5)[1]
+        want = engine.generate_ids(prompt, 24, target_only=True).token_ids
+        runs = [engine.generate_ids(prompt, 24) for _ in range(2)]
+        assert [r.token_ids for r in runs] == [want, want]
+        assert runs[0].stats.mode == "suffix@pipe-async" and runs[0].stats.events == []
+        assert runs[1].stats.accepted > runs[0].stats.accepted  # the worker's global tree saw run 0
+        assert engine.drafter.stats.starts == 1
+    finally:
+        engine.close()
+
+
+def test_yaml_suffix_drafter_in_process_persists_across_requests(tiny_model_dir, tmp_path):
+    from hetero_sd.engine import build_engine
+
+    engine = build_engine(load_config(_yaml(tmp_path, "{kind: suffix, k: 4, suffix_cache_requests: 1}",
+                                            model=tiny_model_dir("llama"))))
+    drafter = engine.drafter
+    assert isinstance(drafter, SuffixDrafter)
+    for prompt in _prompts(3, seed=8):
+        engine.generate_ids(prompt, 12)
+    assert engine.drafter is drafter and len(drafter.global_tree.order) == 1
