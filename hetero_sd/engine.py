@@ -22,6 +22,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from hetero_sd.constraint import Constraint
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.errors import GenerationError
@@ -227,6 +229,11 @@ class _Run:
         # depend on acceptance alone, so a seeded sampled request draws the same
         # tokens whatever runs beside it (the batching server).
         self.timed = True
+        # The target's hidden states of rows whose next token is committed, not yet
+        # told to the drafter: a head drafter reads them (a target loaded with
+        # feature layers only when one is configured).
+        self.features: list | None = [] if drafter is not None and getattr(target, "feature_layers", ()) \
+            else None
 
     def constrain(self, guide, eos_ids: set[int], model_vocab: int) -> None:
         from hetero_sd.constraint.rounds import Constrainer
@@ -255,6 +262,7 @@ class _Run:
             con.prepare([])
         self.stats.cached_tokens = cached
         first = self._score(self.prompt[cached:], cached, 1)[0]
+        self._keep_features(len(self.prompt) - cached)
         self.pos = len(self.prompt)
         self.stats.prefill_s = time.perf_counter() - self.t_start
         return self._commit([first if self.sampler is None else self.sampler.draw_target(first)])
@@ -280,6 +288,7 @@ class _Run:
         distributions, as _score/score_logits give them) and commit; True when over.
         verify_s: this request's share of a batched call (default: the time since plan)."""
         result = self._verify(rnd.drafts, rnd.draft_probs, scored)
+        self._keep_features(result.accepted + 1)  # the rows of the last committed token and the accepted drafts
         self._account(rnd.speculating, len(rnd.drafts), result.accepted, rnd.draft_s,
                       time.perf_counter() - rnd.t0 if verify_s is None else verify_s)
         return self._commit(result.tokens)
@@ -300,10 +309,27 @@ class _Run:
             return self.target.greedy(self.seq, tokens, start, n)
         return self.score_logits(self.target.forward(self.seq, tokens, start, n))
 
+    def _keep_features(self, rows: int) -> None:
+        """Keep the first `rows` rows of the target's features from its latest call on this sequence."""
+        if self.features is None:
+            return
+        got = self.target.take_features(self.seq)
+        if got is None:  # (a failover replayed the sequence: the drafter goes without these rows)
+            self.features.clear()
+        else:
+            self.features.append(got[:rows])
+
+    def _request(self, k: int) -> DraftRequest:
+        req = DraftRequest(self.seq, self.synced, k, self.context[self.synced:])
+        if self.features:
+            req.features = self.features[0] if len(self.features) == 1 else np.concatenate(self.features)
+            self.features.clear()
+        return req
+
     def _draft(self, k: int):
         """(drafts, their distributions or None, seconds)."""
         t0 = time.perf_counter()
-        proposal = self.drafter.draft(DraftRequest(self.seq, self.synced, k, self.context[self.synced:]))
+        proposal = self.drafter.draft(self._request(k))
         seconds = time.perf_counter() - t0
         self.stats.draft_s += seconds
         if self._take_events():  # a failover in this call: its time is not a draft cost

@@ -313,7 +313,8 @@ class FailoverDrafter(Drafter):
         if self.live is None:
             return DraftResult(req.seq_id, [])
         if self._fresh:
-            req = DraftRequest(req.seq_id, 0, req.k, list(self.context))
+            # (features align with the context's end: the replacement gets what this round has)
+            req = DraftRequest(req.seq_id, 0, req.k, list(self.context), features=req.features)
         try:
             result = self.live.draft(req)
         except Exception as exc:

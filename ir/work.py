@@ -52,6 +52,11 @@ class DraftRequest(_Record):
     base_len: int
     k: int  # 1..MAX_DRAFT_TOKENS
     new_tokens: list[int] = field(default_factory=list)  # [n_new] int32
+    # For a drafter that reads the target's hidden states (an EAGLE-style head):
+    # float32 [n, F], row i the target's features at the position just before
+    # new_tokens[-n + i] (so n = n_new, or n_new - 1 on the first request, whose
+    # first token has nothing before it). None otherwise. In-process only: not packed.
+    features: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
 
 
 @dataclass
