@@ -127,7 +127,8 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import_and_a_mapped_
     assert cycles(graph) == [["pkg.low.base", "pkg.top"]]
 
 
-DRAFTERS = {"NgramDrafter", "ModelDrafter", "CascadeDrafter", "RemoteDrafter"}
+DRAFTERS = {"NgramDrafter", "ModelDrafter", "CascadeDrafter", "RemoteDrafter", "HeadDrafter", "SuffixDrafter",
+            "HybridDrafter"}
 
 
 def test_drafters_are_constructed_in_one_function():
