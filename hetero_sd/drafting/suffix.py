@@ -27,6 +27,10 @@ on the drafter for a caller that arbitrates between drafters.
 Proposals are a deterministic function of the context and of the global tree
 (earlier requests), so under sampling their q is one-hot (probs=None), as
 with the n-gram drafter, and greedy output is the target's whatever is drafted.
+A sampled request's tokens do depend on its drafts (they decide how its
+random draws are used), so a seeded sampled request drafts from its own tree
+alone: its output depends on its seed and prompt, never on which requests ran
+before (global_for_seeded=True trades that for the global tree's drafts).
 
 Both trees are suffix tries truncated at `depth` = max_depth + MAX_DRAFT_TOKENS
 (room for a full draft after the longest match). The request tree grows one
@@ -418,7 +422,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"  # deterministic proposals: under sampling its q is one-hot (probs=None)
 
     def __init__(self, max_depth: int = 24, factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_cached_requests: int = 256, max_cached_tokens: int = 1 << 20):
+                 max_cached_requests: int = 256, max_cached_tokens: int = 1 << 20, global_for_seeded: bool = False):
         if not 1 <= max_depth <= 1024:
             raise ConfigError(f"suffix drafter: max_depth must be in 1..1024, got {max_depth}")
         if not factor > 0:
@@ -430,6 +434,7 @@ class SuffixDrafter(Drafter):
                               f"requests, {max_cached_tokens} tokens")
         self.max_depth, self.factor, self.min_token_prob = max_depth, float(factor), float(min_token_prob)
         self.max_cached_requests, self.max_cached_tokens = max_cached_requests, max_cached_tokens
+        self.global_for_seeded = global_for_seeded
         self.depth = max_depth + MAX_DRAFT_TOKENS  # room for a full draft after the longest match
         self.global_tree = GlobalTree(self.depth)
         self._fresh()
@@ -447,6 +452,7 @@ class SuffixDrafter(Drafter):
         self._matches: list[tuple[int, _Edge, int]] = []  # (start, node, depth) in the global tree
         self._version = None  # global tree version _matches were computed for
         self._guide = None
+        self._use_global = True  # False for a seeded sampled request (module docstring)
         self.match_len, self.score, self.source = 0, 0.0, None
 
     @property
@@ -457,6 +463,8 @@ class SuffixDrafter(Drafter):
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
         self._guide = guide
+        seeded = sampler is not None and sampler.params.seed is not None
+        self._use_global = self.global_for_seeded or not seeded
 
     def reset(self) -> None:
         """End the sequence: its output (after the prompt's last max_depth tokens)
@@ -482,7 +490,8 @@ class SuffixDrafter(Drafter):
         ctx = self.context
         tokens, self.match_len, self.score, self.source = [], 0, 0.0, None
         node, size = self.tree.longest_repeat(self.max_depth)
-        g = next(((s, n, d) for s, n, d in self._matches if self.global_tree.continues(n, d)), None)
+        g = next(((s, n, d) for s, n, d in self._matches if self.global_tree.continues(n, d)), None) \
+            if self._use_global else None
         g_size = len(ctx) - g[0] if g is not None else 0
         options = []
         if size and size >= g_size:
@@ -520,6 +529,8 @@ class SuffixDrafter(Drafter):
         added = new[skip:]
         for token in added:
             self.tree.append(int(token))
+        if not self._use_global:
+            return
         if incremental and len(added) < self.max_depth:
             for i, token in enumerate(added):
                 self._match_step(len(ctx) - len(added) + i, int(token))

@@ -1,5 +1,5 @@
 """Lossless across runtimes: for every (draft backend, target backend) pair in
-{torch, onnxruntime, openvino}^2, with both drafters, greedy speculative ids
+{torch, onnxruntime, openvino}^2, with every drafter, greedy speculative ids
 equal target-only ids on the target's backend. All three targets run
 batch-invariant precisions, so zero divergences is the expected result."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hetero_sd.backends.registry import discover
-from hetero_sd.drafting import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter, SuffixDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.ir import load_model_ir
 from helpers.tiny_models import random_prompt
@@ -43,6 +43,21 @@ def test_ngram_any_target(tiny_model_dir, target_backend):
     assert 0 < accepted < drafted
 
 
+@pytest.mark.parametrize("target_backend", ["onnxruntime", "openvino"])  # torch: tests/hetero_sd/test_suffix.py
+def test_suffix_any_target(tiny_model_dir, target_backend):
+    """One drafter per k, a prompt twice: the second time the global tree
+    (earlier outputs) drafts as well."""
+    target = _runner(target_backend, tiny_model_dir("qwen2"))
+    drafted = accepted = 0
+    for k in (1, 2, 3, 5, 8):
+        engine = Engine(target, SuffixDrafter(), k=k)
+        for seed in (0, 1, 0):
+            head = random_prompt(6 + 3 * seed, seed=seed + 7 * k)
+            stats = _check(engine, head * 2 if seed else head, 24, f"suffix -> {target_backend} k={k} seed={seed}")
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
+
+
 @pytest.mark.parametrize("target_backend", BACKENDS)
 @pytest.mark.parametrize("draft_backend", BACKENDS)
 def test_draft_model_any_pair(tiny_model_dir, draft_backend, target_backend):
@@ -64,8 +79,8 @@ def test_draft_model_any_pair(tiny_model_dir, draft_backend, target_backend):
                                                ("openvino", "int8"), ("openvino", "int4")])
 def test_quantized_targets_lossless(tiny_model_dir, backend, precision):
     target = _runner(backend, tiny_model_dir("llama"), precision)
-    drafts = {"ngram": NgramDrafter(1, 3), "model": ModelDrafter(_runner("torch", tiny_model_dir("llama")),
-                                                                 target.vocab_size)}
+    drafts = {"ngram": NgramDrafter(1, 3), "suffix": SuffixDrafter(),
+              "model": ModelDrafter(_runner("torch", tiny_model_dir("llama")), target.vocab_size)}
     for name, drafter in drafts.items():
         for k in (1, 4, 8):
             for seed in range(2):

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.drafting import ModelDrafter, NgramDrafter
+from hetero_sd.drafting import ModelDrafter, NgramDrafter, SuffixDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import GenerationError
 from hetero_sd.ir import load_model_ir
@@ -47,11 +47,13 @@ def _emitted(engine: Engine, params: SamplingParams, n: int, target_only=False):
 
 def _drafters():
     return {"ngram": NgramDrafter(1, 2),
+            # earlier requests' outputs draft too, though every request here is seeded
+            "suffix": SuffixDrafter(global_for_seeded=True),
             "model": ModelDrafter(TableRunner(VOCAB, seed=0, noise=0.8, noise_seed=7), VOCAB)}
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=SamplingParams.describe)
-@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "model"])
 def test_emitted_distribution_matches_target(params, drafter):
     target = TableRunner(VOCAB, seed=0)
     engine = Engine(target, None if drafter == "none" else _drafters()[drafter], k=3)

@@ -520,3 +520,24 @@ def test_yaml_suffix_drafter_in_process_persists_across_requests(tiny_model_dir,
     for prompt in _prompts(3, seed=8):
         engine.generate_ids(prompt, 12)
     assert engine.drafter is drafter and len(drafter.global_tree.order) == 1
+
+
+def test_a_seeded_sampled_request_does_not_depend_on_earlier_ones():
+    """Its drafts decide how its random draws are used: from its own tree alone,
+    the same seed gives the same tokens whatever ran before; drafting from the
+    global tree too (global_for_seeded) it may not."""
+    from hetero_sd.engine import Engine
+    from hetero_sd.sampling import SamplingParams
+    from helpers.table_model import TableRunner
+
+    prompt, seeded = [0, 1, 2, 0, 1], SamplingParams(1.0, seed=5)
+    outputs = {}
+    for global_for_seeded in (False, True):
+        engine = Engine(TableRunner(4, seed=0), SuffixDrafter(global_for_seeded=global_for_seeded), k=3)
+        runs = []
+        for other_seed in range(12):
+            runs.append(engine.generate_ids(prompt, 24, sampling=seeded).token_ids)
+            engine.generate_ids(prompt, 24, sampling=SamplingParams(1.0, seed=100 + other_seed))
+        outputs[global_for_seeded] = runs
+    assert all(run == outputs[False][0] for run in outputs[False])
+    assert any(run != outputs[True][0] for run in outputs[True])  # the test can tell
