@@ -1,0 +1,33 @@
+"""benchmarks/bench_suffix.py end to end on a tiny model: three passes, the report's figures."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_suffix.py"
+_spec = importlib.util.spec_from_file_location("bench_suffix", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_three_passes_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"target: {{model: {tiny_model_dir('llama')}, backend: torch, precision: fp32}}\n"
+                      "drafter: {kind: ngram, process: inproc}\nmemory: {kv_budget: 4MiB}\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "kind": kind, "prompt": text}) for i, (kind, text) in
+                                 enumerate([("grounded", "copy: alpha beta gamma alpha beta gamma"),
+                                            ("open", "tell me a story")])) + "\n")
+    out = tmp_path / "suffix.json"
+    assert bench.main(["--config", str(config), "--prompts", str(prompts), "--max-new-tokens", "10", "--k", "4",
+                       "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["checks"] == {"outputs_equal_pass_1": True, "pass_3_figures_equal_pass_1": True}
+    first, second, third = (report["summary"][name]["all"] for name in bench.PASSES)
+    assert not first["global_share"] and second["global_share"] > 0  # pass 2 drafts from pass 1's outputs
+    assert second["accepted"] > first["accepted"]
+    assert (third["drafted"], third["accepted"], third["rounds"]) == (first["drafted"], first["accepted"],
+                                                                      first["rounds"])
+    assert report["meta"]["k"] == 4 and len(report["passes"]["pass 1"]) == 2
+    assert "| pass 2 | all |" in capsys.readouterr().out
