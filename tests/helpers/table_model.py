@@ -9,6 +9,12 @@ target's exact distribution over whole continuations.
 The logits after a context depend on its last two tokens and its length, so a
 runner that rolled its cache back wrongly, or fed a token twice, would emit
 from a different distribution and the chi-square tests would see it.
+
+With `features=W` the runner also returns "hidden states" (an EAGLE head's
+input, backends.base.Runner): feature_layers == (0,), and take_features(seq)
+gives float32 [T, W] rows for the T input rows of its latest forward / greedy
+call on that sequence, each a fixed function of the context up to that row
+(like the logits), then forgets them.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ _PREC = PrecisionInfo("fp64", True, "table lookup")
 
 class TableRunner:
     def __init__(self, vocab: int, seed: int, noise: float = 0.0, noise_seed: int = 1,
-                 scale: float = 1.5):
+                 scale: float = 1.5, features: int = 0):
         self.vocab_size, self.max_context = vocab, 1 << 20
         self.device = DeviceInfo("table", "cpu", "context-hash logits", (_PREC,), "fp64")
         self.precision = _PREC
@@ -31,10 +37,25 @@ class TableRunner:
         self._seqs: dict[int, list[int]] = {}
         self._next_id = 0
         self.calls = 0
+        self.features = features  # the width of a feature row (0: no features)
+        self.feature_layers = (0,) if features else ()
+        self._taken: dict[int, np.ndarray] = {}  # seq -> the features of its latest call
+        self._rows: dict[tuple, np.ndarray] = {}  # memo: the same rows recur in every draw
 
-    def _row(self, key: tuple, seed: int) -> np.ndarray:
-        digest = hashlib.sha256(repr((seed,) + key).encode()).digest()
-        return np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(self.vocab_size)
+    def _row(self, key: tuple, seed, size: int | None = None) -> np.ndarray:
+        size = self.vocab_size if size is None else size
+        row = self._rows.get((seed, key, size))
+        if row is None:
+            digest = hashlib.sha256(repr((seed,) + key).encode()).digest()
+            row = np.random.default_rng(int.from_bytes(digest[:8], "little")).standard_normal(size)
+            row.flags.writeable = False
+            self._rows[(seed, key, size)] = row
+        return row
+
+    def features_for(self, context: list[int]) -> np.ndarray:
+        """The feature row of the context's last position (float32 [features])."""
+        return self._row((tuple(context[-2:]), len(context)), ("features", self.seed), self.features
+                         ).astype(np.float32)
 
     def logits_for(self, context: list[int]) -> np.ndarray:
         key = (tuple(context[-2:]), len(context))
@@ -54,15 +75,23 @@ class TableRunner:
         if start > len(cache):
             raise ValueError(f"start {start} beyond cached length {len(cache)}")
         del cache[start:]
-        rows = []
+        rows, feats = [], []
         for t in tokens:
             cache.append(int(t))
             rows.append(self.logits_for(cache))
+            if self.features:
+                feats.append(self.features_for(cache))
         self.calls += 1
+        if self.features:
+            self._taken[seq_id] = np.stack(feats)
         return np.stack(rows[len(rows) - num_logits:])
 
     def greedy(self, seq_id, tokens, start, num_logits):
         return [int(i) for i in self.forward(seq_id, tokens, start, num_logits).argmax(-1)]
+
+    def take_features(self, seq_id):
+        """The feature rows of the sequence's latest call (None: none since the last take)."""
+        return self._taken.pop(seq_id, None)
 
     def truncate(self, seq_id, length):
         del self._seqs[seq_id][length:]
@@ -72,6 +101,7 @@ class TableRunner:
 
     def release(self, seq_id):
         self._seqs.pop(seq_id, None)
+        self._taken.pop(seq_id, None)
 
     def usage(self):
         raise NotImplementedError("not needed by the engine")
