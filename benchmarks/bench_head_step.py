@@ -4,14 +4,16 @@
 the cost does not depend on them), after `--context` cached rows.
 
     python benchmarks/bench_head_step.py [--model default] [--draft-vocab 4096] [--context 256]
-                                         [--repeats 300] [--runners torch,ort-fp32,ort-int8,ort-int4]
+                                         [--repeats 300] [--block 1] [--runners torch,ort-fp32,ort-int8,ort-int4]
     (a runner name may end in @N: onnxruntime with N threads)
 
 Medians of --repeats calls, the runners interleaved call by call (and their
 order rotated) so host drift hits every column alike; ratios against the first
 runner. Wall time and this process's CPU time (all its threads): on a loaded
 host a call longer than a scheduler slice is often preempted, so the wall
-medians of longer calls inflate; the CPU medians do not. Not a test: speed is measured, never asserted.
+medians of longer calls inflate; the CPU medians do not. With --block 1 every
+call follows another runner's (its weights cold in the caches); --block 7 is
+a k = 8 draft's steps, back to back. Not a test: speed is measured, never asserted.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def make_runner(name: str, head):
     return OrtHeadRunner(head, kind.split("-", 1)[1], int(threads) if threads else None)
 
 
-def measure(head, names: list[str], context: int, repeats: int, rows: int = 4) -> dict:
-    """name -> {"load_s", "step_ms", "features_ms"} (medians), runners interleaved."""
+def measure(head, names: list[str], context: int, repeats: int, rows: int = 4, block: int = 1) -> dict:
+    """name -> {"load_s", "step_ms", "features_ms", ...} (medians), runners interleaved; each
+    runner makes `block` calls in a row per turn (a draft's steps run back to back), each timed."""
     cfg = head.cfg
     feats = np.random.default_rng(0).standard_normal((context, len(cfg.aux_layers) * cfg.target_hidden),
                                                      dtype=np.float32)
@@ -79,10 +82,11 @@ def measure(head, names: list[str], context: int, repeats: int, rows: int = 4) -
         for i in range(repeats):
             for j in range(len(names)):
                 name = names[(i + j) % len(names)]
-                t0, c0 = time.perf_counter(), time.process_time()
-                call(name)
-                times[name, kind].append(time.perf_counter() - t0)
-                cpu[name, kind].append(time.process_time() - c0)
+                for _ in range(block):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    call(name)
+                    times[name, kind].append(time.perf_counter() - t0)
+                    cpu[name, kind].append(time.process_time() - c0)
     ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
     return {name: {"load_s": load[name], "step_ms": ms(times[name, "step"]), "features_ms": ms(times[name, "features"]),
                    "step_cpu_ms": ms(cpu[name, "step"]), "features_cpu_ms": ms(cpu[name, "features"])}
@@ -96,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=300)
     p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--block", type=int, default=1, help="calls in a row per runner's turn (a draft: k - 1)")
     p.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
     args = p.parse_args(argv)
     from hetero_sd.config import resolve_model
@@ -112,8 +117,8 @@ def main(argv=None) -> int:
     m = head.cfg.model
     print(f"head for {ir.config.family} hidden {m.hidden_size}, heads {m.num_heads}/{m.num_kv_heads}, "
           f"intermediate {m.intermediate_size}, draft vocab {head.cfg.draft_vocab}; context {args.context}, "
-          f"{args.repeats} interleaved repeats")
-    res = measure(head, names, args.context, args.repeats)
+          f"{args.repeats} interleaved repeats of {args.block} call(s) in a row")
+    res = measure(head, names, args.context, args.repeats, block=args.block)
     base = res[names[0]]
     cols = [("step_ms", "1-row wall ms"), ("step_cpu_ms", "1-row cpu ms"), ("features_ms", "4-row wall ms"),
             ("features_cpu_ms", "4-row cpu ms")]
