@@ -55,14 +55,14 @@ class _Node:
     """A request-tree node: the string of `depth` tokens on the path from the
     root, `count` occurrences. (seq, start) is its earliest occurrence: with
     count 1 and no children the node is a compressed tail whose continuation is
-    read from the sequence. `stamp`: the latest occurrence's end position;
-    `hist`: the stamps it replaced (restored by a rollback)."""
+    read from the sequence. `stamp`: the latest occurrence's end position (the
+    tree's undo log keeps the ones it replaced, for a rollback)."""
 
-    __slots__ = ("count", "children", "parent", "token", "depth", "start", "stamp", "hist")
+    __slots__ = ("count", "children", "parent", "token", "depth", "start", "stamp")
 
     def __init__(self, parent, token: int, depth: int, start: int, stamp: int):
         self.count, self.children, self.parent, self.token, self.depth = 1, None, parent, token, depth
-        self.start, self.stamp, self.hist = start, stamp, None
+        self.start, self.stamp = start, stamp
 
     @property
     def recency(self) -> int:
@@ -103,17 +103,33 @@ class RequestTree:
         self.sequence: list[int] = []
         self._explicit: dict[int, _Node] = {}  # start -> node at depth len - start (count >= 2)
         self._tails: dict[int, _Node] = {}  # start -> its own compressed tail
+        # Stamps replaced by each append, undone by a rollback: node, old stamp, node, ...
+        # (a flat list: no allocation per entry); _marks[p]: its length before token p.
+        self._undo: list = []
+        self._marks: list[int] = []
 
     def append(self, token: int) -> None:
-        seq = self.sequence
+        seq, undo = self.sequence, self._undo
         p = len(seq)
         seq.append(token)
+        self._marks.append(len(undo))
+        explicit = self._explicit
         old = p - self.depth  # its path reached the full depth: it grows no more
         if old >= 0:
-            self._explicit.pop(old, None)
+            explicit.pop(old, None)
             self._tails.pop(old, None)
-        for start, node in list(self._explicit.items()):
-            self._extend(start, node, token, p)
+        for start, node in list(explicit.items()):
+            children = node.children
+            child = None if children is None else children.get(token)
+            if child is not None and (child.count != 1 or child.children is not None):
+                # The common case, inlined (_extend does the same): the string repeats further.
+                undo.append(child)
+                undo.append(child.stamp)
+                child.count += 1
+                child.stamp = p
+                explicit[start] = child
+            else:
+                self._extend(start, node, token, p)
         self._extend(p, self.root, token, p)
 
     def _extend(self, start: int, node: _Node, token: int, p: int) -> None:
@@ -131,10 +147,8 @@ class RequestTree:
             return
         if _is_tail(child):
             self._split(child)
-        if child.hist is None:  # keep the stamp it replaces, for a rollback
-            child.hist = [child.stamp]
-        else:
-            child.hist.append(child.stamp)
+        self._undo.append(child)  # the stamp it replaces, for a rollback
+        self._undo.append(child.stamp)
         child.count += 1
         child.stamp = p
         self._explicit[start] = child
@@ -175,13 +189,13 @@ class RequestTree:
                     del parent.children[node.token]
                     if not parent.children:
                         parent.children = None
-                else:
-                    node.stamp = node.hist.pop()
-                    if not node.hist:
-                        node.hist = None
                 if size > 1:
                     moved.append((start, parent))
             seq.pop()
+            undo, mark = self._undo, self._marks.pop()
+            for i in range(len(undo) - 2, mark - 1, -2):
+                undo[i].stamp = undo[i + 1]
+            del undo[mark:]
             for start, node in moved:
                 self._place(start, node)
             back = q - depth  # its path is below the full depth again
@@ -541,12 +555,18 @@ class SuffixDrafter(Drafter):
 
     def _match_step(self, p: int, token: int) -> None:
         """The global-tree positions of the context's suffixes, after token p."""
-        tree, out = self.global_tree, []
-        for start, node, depth in self._matches:
-            if depth < self.max_depth:
-                nxt = tree.advance(node, depth, token)
-                if nxt is not None:
-                    out.append((start, nxt[0], nxt[1]))
+        tree, out, max_depth = self.global_tree, [], self.max_depth
+        seqs = tree.seqs
+        for start, node, depth in self._matches:  # (tree.advance, inlined: this runs per token)
+            if depth >= max_depth:
+                continue
+            if depth < node.depth:
+                if seqs[node.seq][node.start + depth] == token:
+                    out.append((start, node, depth + 1))
+            elif node.children is not None:
+                child = node.children.get(token)
+                if child is not None:
+                    out.append((start, child, depth + 1))
         nxt = tree.advance(tree.root, 0, token)
         if nxt is not None:
             out.append((p, nxt[0], nxt[1]))
