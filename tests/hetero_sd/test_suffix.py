@@ -541,3 +541,42 @@ def test_a_seeded_sampled_request_does_not_depend_on_earlier_ones():
         outputs[global_for_seeded] = runs
     assert all(run == outputs[False][0] for run in outputs[False])
     assert any(run != outputs[True][0] for run in outputs[True])  # the test can tell
+
+
+def test_batched_requests_fork_the_drafter_and_share_its_global_tree(tiny_model_dir):
+    """The batching server forks the drafter per request: every output equals
+    target-only, the forks' outputs join the one global tree, and a prompt that
+    arrives after its twin finished drafts from the twin's output."""
+    import threading
+
+    from hetero_sd.backends.registry import discover
+    from hetero_sd.engine import Engine
+    from hetero_sd.ir import load_model_ir
+    from hetero_sd.serve.batch import BatchEngine, Request
+    from helpers.tiny_models import make_tokenizer
+
+    target = discover().get("onnxruntime").load(load_model_ir(tiny_model_dir("llama")), "cpu", "fp32", 8 << 20)
+    drafter = SuffixDrafter()
+    engine = Engine(target, drafter, k=4, tokenizer=make_tokenizer())
+    prompts = _prompts(4, seed=21)
+
+    def serve(requests):
+        batch, done = BatchEngine(engine, max_running=8, max_waiting=16).start(), []
+        try:
+            for req in requests:
+                finished, events = threading.Event(), []
+                batch.submit(req, lambda e, f=finished, ev=events: (ev.append(e), e.finish_reason and f.set()))
+                done.append((finished, events))
+            for finished, _ in done:
+                assert finished.wait(120)
+        finally:
+            batch.shutdown(drain_s=60)
+        return [events[-1].result for _, events in done]
+
+    first = serve([Request(p, 20) for p in prompts])
+    assert len(drafter.global_tree.order) == 4  # every fork's output joined the shared tree
+    again = serve([Request(p, 20) for p in prompts])
+    for prompt, a, b in zip(prompts, first, again):
+        want = engine.generate_ids(prompt, 20, target_only=True).token_ids
+        assert a.token_ids == b.token_ids == want
+    assert sum(r.stats.accepted for r in again) > sum(r.stats.accepted for r in first)
