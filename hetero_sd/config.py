@@ -63,7 +63,9 @@ class StageConfig(_Section):
 
 
 class DrafterConfig(_Section):
-    kind: Literal["ngram", "suffix", "model", "none", "auto"] = "ngram"  # auto: the splitter picks (placement: auto)
+    # head: an EAGLE-3 head over the target's hidden states (`head:` below); hybrid: suffix
+    # drafts where the match is long, the head's elsewhere. auto: the splitter picks (placement: auto)
+    kind: Literal["ngram", "suffix", "model", "head", "hybrid", "none", "auto"] = "ngram"
     # A fixed draft length, or "auto": adapt it per round to acceptance and measured costs.
     k: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | Literal["auto"] = 5
     k_max: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)  # the bound for k: auto
@@ -79,6 +81,12 @@ class DrafterConfig(_Section):
     suffix_min_prob: float = Field(0.1, ge=0, le=1)
     suffix_cache_requests: int = Field(256, ge=0)
     model: str | None = None  # kind=model: defaults to the target's model
+    # kind=head|hybrid: a head folder in EAGLE-3's layout, or "auto": the one `hetero-sd
+    # train-head` built for the target (in the cache). It runs on backend/device/precision
+    # below (torch, or onnxruntime with int8 weights).
+    head: str = "auto"
+    # kind=hybrid: suffix drafts when the context's match is at least this long, else the head's
+    hybrid_min_match: int = Field(4, ge=1)
     backend: str = "torch"
     device: str = "cpu"
     precision: str = "default"
@@ -277,6 +285,13 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if suffix_keys and cfg.drafter.kind not in SUFFIX_KINDS:
         raise ConfigError(f"{path}: drafter.{suffix_keys[0]} sets the suffix drafter; it needs drafter.kind: "
                           f"{' or '.join(SUFFIX_KINDS)} (kind is {cfg.drafter.kind!r})")
+    if cfg.placement == "auto" and cfg.drafter.kind in ("head", "hybrid"):
+        raise ConfigError(f"{path}: drafter.kind: {cfg.drafter.kind} needs placement: manual (the splitter "
+                          "does not plan heads yet); place the target yourself")
+    for key, kinds in (("head", ("head", "hybrid")), ("hybrid_min_match", ("hybrid",))):
+        if key in cfg.drafter.model_fields_set and cfg.drafter.kind not in kinds:
+            raise ConfigError(f"{path}: drafter.{key} needs drafter.kind: {' or '.join(kinds)} "
+                              f"(kind is {cfg.drafter.kind!r})")
     if cfg.drafter.vocab is not None and cfg.drafter.kind != "model":
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
                           f"drafter.kind: model (kind is {cfg.drafter.kind!r})")

@@ -10,11 +10,14 @@ runners and drafters.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from hetero_sd.config import Config, resolve_model
-from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, SuffixSpec, WorkerSpec
+from hetero_sd.drafting.specs import (CascadeSpec, DrafterSpec, HeadSpec, HybridSpec, ModelSpec, NgramSpec,
+                                      SuffixSpec, WorkerSpec)
+from hetero_sd.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,20 @@ def suffix_spec(section) -> SuffixSpec:
                       section.suffix_cache_requests)
 
 
+def _innermost(cfg: Config) -> DrafterSpec:
+    """The drafter section's own drafter (what stages, if any, verify)."""
+    d = cfg.drafter
+    if d.kind == "ngram":
+        return NgramSpec(d.min_ngram, d.max_ngram)
+    if d.kind == "suffix":
+        return suffix_spec(d)
+    if d.kind == "head":
+        return head_spec(cfg)
+    if d.kind == "hybrid":
+        return HybridSpec(suffix_spec(d), head_spec(cfg), d.hybrid_min_match)
+    return placed(cfg, d, "draft model")
+
+
 def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     """placement: manual. The drafter is the innermost level; each stage (the last
     listed first, stages.0 closest to the target) verifies the level inside it;
@@ -58,8 +75,7 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     if d.kind != "none" and not target_only:
         levels = [d] + [d.stages[i] for i in reversed(range(len(d.stages)))]  # innermost first
         worker = max((j for j, level in enumerate(levels) if level.process == "worker"), default=None)
-        drafter = suffix_spec(d) if d.kind == "suffix" else \
-            NgramSpec(d.min_ngram, d.max_ngram) if d.kind == "ngram" else placed(cfg, d, "draft model")
+        drafter = _innermost(cfg)
         default_k = d.k if isinstance(d.k, int) else d.k_max
         for j, level in enumerate(levels):
             if j > 0:
@@ -68,4 +84,47 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
             if j == worker:
                 drafter = WorkerSpec(drafter, level.transport, level.mode, level.timeout_s, level.start_timeout_s,
                                      level.threads, tuple(level.cpus) if level.cpus else None)
-    return EngineSpec(placed(cfg, cfg.target, "target"), drafter, d.k, d.k_max)
+    target = placed(cfg, cfg.target, "target")
+    features = head_features(drafter)
+    if features:  # the head reads these layers of the target: its runner returns them
+        target = dataclasses.replace(target, features=features)
+    return EngineSpec(target, drafter, d.k, d.k_max)
+
+
+def default_head(target_model: str) -> Path:
+    """Where `hetero-sd train-head` puts, and `head: auto` finds, the head for a target."""
+    from hetero_sd.ir.cache import cache_dir
+
+    return cache_dir("heads", Path(target_model))
+
+
+def head_spec(cfg: Config) -> HeadSpec:
+    """The drafter section's EAGLE-3 head, checked: its folder exists and reads."""
+    from hetero_sd.ir.eagle import HeadConfig
+
+    d, target = cfg.drafter, model_path(cfg, None)
+    if d.head == "auto":
+        path = default_head(target)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{cfg.source}: drafter.head: auto, but no head has been trained for "
+                              f"{Path(target).name} yet (looked in {path}); build it once with "
+                              f"`hetero-sd train-head --config {cfg.source}`, or name a head folder")
+    else:
+        path = Path(d.head).expanduser()
+        if not path.is_absolute() and config_dir(cfg) is not None:
+            path = config_dir(cfg) / path
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{cfg.source}: drafter.head: {d.head!r} is not a head folder "
+                              f"(no {path / 'config.json'})")
+    try:
+        layers = HeadConfig.read(path).feature_layers
+    except Exception as exc:
+        raise ConfigError(f"{cfg.source}: drafter.head: {exc}") from None
+    return HeadSpec(str(path), target, d.device, layers, d.backend, d.precision)
+
+
+def head_features(spec: DrafterSpec | None) -> tuple[int, ...]:
+    """The target layers a head in the tree reads (() without one)."""
+    if isinstance(spec, HeadSpec):
+        return spec.features
+    return next((f for f in map(head_features, getattr(spec, "parts", ())) if f), ())

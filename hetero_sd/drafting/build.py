@@ -14,11 +14,15 @@ from typing import Callable
 from hetero_sd.drafting import worker
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.cascade import CascadeDrafter
+from hetero_sd.drafting.head import HeadDrafter
+from hetero_sd.drafting.hybrid import HybridDrafter
 from hetero_sd.drafting.model import ModelDrafter
 from hetero_sd.drafting.ngram import NgramDrafter
 from hetero_sd.drafting.remote import RemoteDrafter
-from hetero_sd.drafting.specs import CascadeSpec, DrafterSpec, ModelSpec, NgramSpec, SuffixSpec, WorkerSpec
+from hetero_sd.drafting.specs import (CascadeSpec, DrafterSpec, HeadSpec, HybridSpec, ModelSpec, NgramSpec,
+                                      SuffixSpec, WorkerSpec)
 from hetero_sd.drafting.suffix import SuffixDrafter
+from hetero_sd.ir.errors import ConfigError
 from hetero_sd.loading import Loader
 
 
@@ -32,6 +36,12 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
         return SuffixDrafter(spec.max_depth, spec.factor, spec.min_token_prob, spec.max_cached_requests)
     if isinstance(spec, ModelSpec):
         return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab)
+    if isinstance(spec, HeadSpec):
+        return HeadDrafter(load_head(spec, load), target_vocab)
+    if isinstance(spec, HybridSpec):
+        s = spec.suffix
+        return HybridDrafter(SuffixDrafter(s.max_depth, s.factor, s.min_token_prob, s.max_cached_requests),
+                             HeadDrafter(load_head(spec.head, load), target_vocab), spec.min_match)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)
         try:
@@ -45,6 +55,34 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
                              mode=spec.mode, timeout_s=spec.timeout_s, start_timeout_s=spec.start_timeout_s,
                              threads=spec.threads, cpu=spec.cpus)
     raise TypeError(f"not a drafter spec: {spec!r}")
+
+
+# A head's backends and their precisions (the first is what "default" means there).
+HEAD_PRECISIONS = {"torch": ("fp32",), "onnxruntime": ("int8", "fp32", "int4")}
+
+
+def load_head(spec: HeadSpec, load):
+    """The head's runner on its backend (the target's token embedding when it has none of its own)."""
+    from hetero_sd.ir.eagle import EagleHead
+
+    allowed = HEAD_PRECISIONS.get(spec.backend)
+    if allowed is None:
+        raise ConfigError(f"drafter.backend: {spec.backend!r} cannot run a draft head "
+                          f"(one of: {', '.join(HEAD_PRECISIONS)})")
+    precision = allowed[0] if spec.precision == "default" else spec.precision
+    if precision not in allowed:
+        raise ConfigError(f"drafter.precision: {spec.precision!r} is not a {spec.backend} head precision "
+                          f"(one of: default, {', '.join(allowed)})")
+    if spec.backend == "onnxruntime" and spec.device != "cpu":
+        raise ConfigError(f"drafter.device: {spec.device!r}: an onnxruntime head runs on cpu only")
+    head = EagleHead.load(spec.path, load.ir(spec.target).weights.get("model.embed_tokens.weight"))
+    if spec.backend == "onnxruntime":
+        from hetero_sd.backends.onnx_head import OrtHeadRunner
+
+        return OrtHeadRunner(head, precision)
+    from hetero_sd.backends.torch_head import TorchHeadRunner
+
+    return TorchHeadRunner(head, spec.device)
 
 
 def worker_entry():

@@ -69,6 +69,7 @@ class HeadDrafter(Drafter):
         kept = max(req.base_len - 1, 0)  # pair j stays valid while token j + 1 is unchanged
         if kept < self.pairs:
             self.pairs, self._last = kept, None
+            self.first = min(self.first, kept)  # (rolled back past a gap's start: nothing cached is left)
         self._stash(req.features, kept)
         n = len(self.context)
         if req.k < 1:

@@ -67,6 +67,42 @@ class SuffixSpec:
 
 
 @dataclass(frozen=True)
+class HeadSpec:
+    """An EAGLE-3 head (a folder in EAGLE-3's layout) drafting from the target's hidden
+    states, in the engine's process, on `backend` (torch on `device`, or onnxruntime on
+    the CPU) in `precision`; the target is loaded with `features` (ModelSpec.features) for it."""
+
+    path: str
+    target: str  # the target's model: its token embedding is the head's (when the head has none)
+    device: str = "cpu"
+    features: tuple[int, ...] = ()
+    backend: str = "torch"  # torch | onnxruntime (drafting.build.HEAD_PRECISIONS)
+    precision: str = "default"
+
+    @property
+    def label(self) -> str:
+        return f"head({Path(self.path).name})"
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """Suffix drafts where the context's match is at least `min_match` tokens long,
+    the head's elsewhere (drafting/hybrid.py)."""
+
+    suffix: SuffixSpec
+    head: HeadSpec
+    min_match: int = 4
+
+    @property
+    def parts(self) -> tuple:
+        return (self.suffix, self.head)
+
+    @property
+    def label(self) -> str:
+        return f"hybrid({self.suffix.label}|{self.head.label})"
+
+
+@dataclass(frozen=True)
 class CascadeSpec:
     """`inner` drafts k tokens at a time for the `stage` model to verify; the
     stage's greedy continuation is what the cascade proposes."""
@@ -98,7 +134,7 @@ class WorkerSpec:
         return f"{self.inner.label}@{self.transport}" + ("-async" if self.mode == "async" else "")
 
 
-DrafterSpec = Union[NgramSpec, SuffixSpec, ModelSpec, CascadeSpec, WorkerSpec]
+DrafterSpec = Union[NgramSpec, SuffixSpec, ModelSpec, HeadSpec, HybridSpec, CascadeSpec, WorkerSpec]
 
 
 def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
@@ -115,4 +151,5 @@ def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
 def has_distributions(spec: DrafterSpec) -> bool:
     """Whether the drafter returns draft distributions under sampling (a
     cascade's, an n-gram's and a suffix drafter's proposals are deterministic: q is one-hot)."""
-    return isinstance(spec, ModelSpec) or isinstance(spec, WorkerSpec) and has_distributions(spec.inner)
+    return isinstance(spec, (ModelSpec, HeadSpec, HybridSpec)) or \
+        isinstance(spec, WorkerSpec) and has_distributions(spec.inner)

@@ -6,9 +6,14 @@
   first > 0) every call's logits agree within 1e-4 with the same argmax;
 - int8 and int4 logits are finite and their argmax agrees with fp32 on most rows;
 - fork() gives an independent cache over the same sessions;
-- a bad precision or a call past the cache fails clearly.
+- a bad precision or a call past the cache fails clearly;
+- a bad drafter.backend / precision for a head is a ConfigError naming the choices;
+- greedy output with the head on onnxruntime int8 (drafter.backend: onnxruntime)
+  is token-identical to target-only, k = 1..8.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,3 +162,66 @@ def test_bad_precisions_and_calls_fail_clearly():
     r.begin(4)  # 4 positions and a draft past them
     with pytest.raises(ValueError, match="do not fit"):
         r.run([1] * 3, 4 + MAX_DRAFT_TOKENS, 0, hidden=np.zeros((3, 64), np.float32))
+
+
+# -- the config: drafter.backend / precision choose the head's runner -------------------------------
+
+def test_bad_head_backends_and_precisions_fail_clearly():
+    from hetero_sd.drafting.build import load_head
+    from hetero_sd.drafting.specs import HeadSpec
+    from hetero_sd.ir.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="drafter.backend: 'openvino'.*torch, onnxruntime"):
+        load_head(HeadSpec("h", "t", backend="openvino"), load=None)
+    with pytest.raises(ConfigError, match="drafter.precision: 'gguf'.*default, int8, fp32, int4"):
+        load_head(HeadSpec("h", "t", backend="onnxruntime", precision="gguf"), load=None)
+    with pytest.raises(ConfigError, match="drafter.precision: 'int8'.*torch head.*default, fp32"):
+        load_head(HeadSpec("h", "t", backend="torch", precision="int8"), load=None)
+    with pytest.raises(ConfigError, match="cpu only"):
+        load_head(HeadSpec("h", "t", device="cuda:0", backend="onnxruntime"), load=None)
+
+
+# -- the engine: greedy output with the head on onnxruntime int8 is the target's own ------------------
+
+def _yaml(path: Path, model: Path, drafter: str) -> Path:
+    path.write_text(f"target: {{model: {model}, backend: torch, precision: fp32}}\n"
+                    f"drafter: {drafter}\ngeneration: {{max_new_tokens: 32, chat_template: false}}\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def head_engine(tiny_model_dir, tmp_path_factory):
+    """An engine (torch fp32 target) drafting with an untrained head on onnxruntime (precision
+    default: int8), its draft vocabulary the tokens the target emits on the test prompts (so
+    some drafts are accepted and some rejected), and those prompts with the target's own output."""
+    from hetero_sd.engine import Engine
+    from hetero_sd.ir import load_model_ir
+    from hetero_sd.training.head import init_head
+    from helpers.tiny_models import random_prompt
+
+    model, tmp = tiny_model_dir("llama"), tmp_path_factory.mktemp("ort_head")
+    target = Engine.from_config(_yaml(tmp / "target.yaml", model, "{kind: none}"), target_only=True)
+    prompts = [(random_prompt(7, seed=2), 30), (random_prompt(4, seed=11), 20)]
+    cases = [(p, target.generate_ids(p, n, target_only=True).token_ids) for p, n in prompts]
+    ir = load_model_ir(model)
+    ids = np.array(sorted({t for _, out in cases for t in out}))
+    init_head(HeadConfig.for_target(ir.config, len(ids)), ir, ids, seed=0).save(tmp / "head")
+    engine = Engine.from_config(_yaml(tmp / "head.yaml", model, f"{{kind: head, head: {tmp / 'head'}, "
+                                                                 "backend: onnxruntime}"))
+    return engine, cases
+
+
+def test_greedy_is_lossless_with_the_onnxruntime_head(head_engine):
+    from hetero_sd.scheduler import FixedDraftLength
+
+    engine, cases = head_engine
+    assert isinstance(engine.drafter.runner, OrtHeadRunner) and engine.drafter.runner.precision == "int8"
+    drafted = accepted = 0
+    for k in range(1, 9):
+        engine.policy = FixedDraftLength(k)
+        for i, (prompt, want) in enumerate(cases):
+            out = engine.generate_ids(prompt, len(want))
+            assert out.token_ids == want, f"k={k} prompt {i}: diverged"
+            assert out.stats.lossless == "exact"
+            drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert 0 < accepted < drafted  # both outcomes of verification happened
