@@ -64,6 +64,11 @@ def _drafter_label(cfg: Config) -> str:
         return f"n-gram drafter k={d.k} (n {d.min_ngram}..{d.max_ngram})"
     if d.kind == "model":
         return f"draft model on {d.backend}:{d.device} {d.precision}, k={d.k}"
+    if d.kind == "suffix":
+        return f"suffix decoding k={d.k}"
+    if d.kind in ("head", "hybrid"):
+        what = "EAGLE-3 head" if d.kind == "head" else f"hybrid (suffix on matches >= {d.hybrid_min_match}, else head)"
+        return f"{what} on {d.backend}:{d.device}, k={d.k}"
     return "no drafter"
 
 

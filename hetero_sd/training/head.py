@@ -100,6 +100,7 @@ def _batches(examples: list[D.Example], batch: int, rng: np.random.Generator):
 
 
 def train(head: EagleHead, examples: list[D.Example], opts: TrainOptions, out: Path, resume: bool) -> dict:
+    head.lm_head.weight.requires_grad_(opts.train_lm_head)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     ckpt, step, rng = out / "checkpoint.pt", 0, np.random.default_rng(opts.seed)

@@ -13,7 +13,11 @@ class TrainOptions:
     draft_vocab: int = 4096
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3 ids; None: (2, L // 2, L - 3)
     ttt_steps: int = 3
-    batch: int = 4
+    batch: int = 2
+    # Train the LM head too? Off: it stays the target's own (restricted to the draft
+    # vocabulary), so the layer learns to land in the target's output space: fewer
+    # weights to learn from a CPU-sized dataset, and a third less backward work.
+    train_lm_head: bool = False
     lr: float = 1e-3
     minutes: float = 20.0  # training time (data preparation not counted) ...
     steps: int | None = None  # ... or exactly this many steps (reproducible whatever the host's load)
