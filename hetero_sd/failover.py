@@ -340,7 +340,11 @@ class FailoverDrafter(Drafter):
             self.events.append(f"drafting continues with {replacement.name}")
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """After a speculative round: let the Replanner swap the drafter."""
+        """After a speculative round: tell a drafter that learns from outcomes (optional
+        Drafter.observe), and let the Replanner swap the drafter."""
+        learn = getattr(self.live, "observe", None)
+        if learn is not None:
+            learn(drafted, accepted)
         if self.replanner is None or self.live is None or not drafted:
             return
         replacement = self.replanner.on_round(drafted, accepted)

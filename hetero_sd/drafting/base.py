@@ -10,6 +10,7 @@ when a drafter runs in another process (remote.py).
               reset()                           forget the sequence (end of a request)
     optional  wait_ready()                      block until usable (a worker loading its model)
               close()                           free processes and memory for good
+              observe(drafted, accepted)        after each speculative round: how its draft fared
 
 Subclass `Drafter` to get the optional ones as no-ops.
 """

@@ -2,11 +2,17 @@
 
 Each round the suffix drafter (cheap: a tree walk) drafts first. When its match
 is long (>= min_match tokens of context seen before) and it proposes, its draft
-goes; otherwise the head drafts. Both see every round's context (and the head
-every round's target features, which it runs lazily with its next draft), so
-either is ready the next round. The pick depends on the context and the suffix
-trees alone, never on a random draw, so each round's q is its drafter's and
-sampling stays exact; the adaptive draft length sees both as one drafter.
+goes. Otherwise the head drafts if its drafts have lately been accepted at
+least `min_head_rate` of the time (below that a draft's verify costs more than
+it brings: a head trained on little data) and at least as often as the suffix
+drafter's short-match drafts (running averages, both starting at 0.5); one
+round in EXPLORE still tries the head, so a head that warms up to the text is
+picked again. With neither, the round drafts nothing. Both see every round's context (and the
+head every round's target features, which it runs lazily with its next
+draft), so either is ready the next round. The pick depends on the context,
+the suffix trees and earlier rounds' outcomes, never on this round's draws,
+so each round's q is its drafter's and sampling stays exact; the adaptive
+draft length sees both as one drafter.
 """
 from __future__ import annotations
 
@@ -19,19 +25,27 @@ from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
 
+EXPLORE = 64  # one round in this many tries a head below the bar, to keep its average current
+
+
 class HybridDrafter(Drafter):
     name = "hybrid"
 
-    def __init__(self, suffix: SuffixDrafter, head: HeadDrafter, min_match: int = 4):
+    def __init__(self, suffix: SuffixDrafter, head: HeadDrafter, min_match: int = 4, min_head_rate: float = 0.35):
         if min_match < 1:
             raise ConfigError(f"hybrid drafter: min_match must be >= 1, got {min_match}")
-        self.suffix, self.head, self.min_match = suffix, head, min_match
+        self.suffix, self.head, self.min_match, self.min_head_rate = suffix, head, min_match, min_head_rate
         self.feature_layers = head.feature_layers
         self.picks = {"suffix": 0, "head": 0}  # rounds each drafter served (shown by benchmarks)
+        # running acceptance of the head's drafts and of short-match suffix drafts (learnt per engine)
+        self.rate = {"head": 0.5, "short": 0.5}
+        self._last: str | None = None
+        self._rounds = 0
 
     def fork(self) -> "HybridDrafter":
         clone = copy.copy(self)  # (drafters are constructed in drafting.build alone)
         clone.suffix, clone.head, clone.picks = self.suffix.fork(), self.head.fork(), {"suffix": 0, "head": 0}
+        clone.rate, clone._last = dict(self.rate), None
         return clone
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
@@ -44,10 +58,27 @@ class HybridDrafter(Drafter):
 
     def draft(self, req: DraftRequest) -> DraftResult:
         found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens))
+        self._rounds += 1
         if found.tokens and self.suffix.match_len >= self.min_match:
-            # the head only takes in the round (k = 0): its features run with its next draft
-            self.head.draft(DraftRequest(req.seq_id, req.base_len, 0, req.new_tokens, features=req.features))
+            return self._skip_head(req, found, None)
+        head = self.rate["head"]
+        worth = head >= self.min_head_rate and (not found.tokens or head >= self.rate["short"])
+        if worth or self._rounds % EXPLORE == 0:
+            self.picks["head"] += 1
+            self._last = "head"
+            return self.head.draft(req)
+        return self._skip_head(req, found, "short")
+
+    def _skip_head(self, req: DraftRequest, found: DraftResult, kind: str | None) -> DraftResult:
+        """The suffix drafter's proposal (maybe none); the head only takes in the round (k = 0):
+        its features run with its next draft."""
+        self.head.draft(DraftRequest(req.seq_id, req.base_len, 0, req.new_tokens, features=req.features))
+        if found.tokens:
             self.picks["suffix"] += 1
-            return found
-        self.picks["head"] += 1
-        return self.head.draft(req)
+        self._last = kind if found.tokens else None
+        return found
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After a round: the acceptance of whichever drafter served it (the engine calls this)."""
+        if self._last is not None and drafted:
+            self.rate[self._last] += 0.1 * (accepted / drafted - self.rate[self._last])
