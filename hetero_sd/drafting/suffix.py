@@ -83,6 +83,33 @@ def _best(children: dict) -> tuple:
     return best, total
 
 
+_END = object()  # forced(): the string runs out here
+
+
+def _speculate(node, depth: int, limit: int, min_prob: float, forced) -> tuple[list[int], float]:
+    """Follow the most frequent continuation from (node, depth) in either tree. forced(node,
+    depth) is the next token where the string goes on one way only (a tail, an edge), _END
+    where it runs out, None at a node whose children branch."""
+    out: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(out) < limit:
+        token = forced(node, depth)
+        if token is _END:
+            break
+        if token is None:
+            if node.children is None:
+                break
+            best, total = _best(node.children)
+            prob *= best.count / total
+            if prob < min_prob:
+                break
+            token, node = best.token, best
+        out.append(token)
+        depth += 1
+        score += prob
+    return out, score
+
+
 class RequestTree:
     """A depth-limited, frequency-counted suffix trie of one growing sequence.
 
@@ -227,27 +254,15 @@ class RequestTree:
         """The most frequent continuation from (node, depth): up to `limit` tokens while
         the product of the choices' frequency ratios stays >= min_prob; and the sum
         of those products (an estimate of how many will be accepted)."""
-        out: list[int] = []
-        prob, score, seq = 1.0, 0.0, self.sequence
-        while len(out) < limit:
-            if _is_tail(node):
-                idx = node.start + depth
-                if depth >= self.depth or idx >= len(seq):
-                    break
-                out.append(seq[idx])
-                depth += 1
-                score += prob
-                continue
-            if node.children is None:
-                break
-            best, total = _best(node.children)
-            prob *= best.count / total
-            if prob < min_prob:
-                break
-            out.append(best.token)
-            node, depth = best, depth + 1
-            score += prob
-        return out, score
+        seq = self.sequence
+
+        def forced(node: _Node, depth: int):  # a tail: the one occurrence goes on, until the sequence ends
+            if not _is_tail(node):
+                return None
+            idx = node.start + depth
+            return _END if depth >= self.depth or idx >= len(seq) else seq[idx]
+
+        return _speculate(node, depth, limit, min_prob, forced)
 
     def counts(self) -> dict[tuple, int]:
         """Every string the tree holds with its count (tests)."""
@@ -389,24 +404,10 @@ class GlobalTree:
 
     def speculate(self, node: _Edge, depth: int, limit: int, min_prob: float) -> tuple[list[int], float]:
         """As RequestTree.speculate."""
-        out: list[int] = []
-        prob, score = 1.0, 0.0
-        while len(out) < limit:
-            if depth < node.depth:  # inside an edge: every occurrence goes on
-                out.append(self.seqs[node.seq][node.start + depth])
-                depth += 1
-                score += prob
-                continue
-            if node.children is None:
-                break
-            best, total = _best(node.children)
-            prob *= best.count / total
-            if prob < min_prob:
-                break
-            out.append(best.token)
-            node, depth = best, depth + 1
-            score += prob
-        return out, score
+        def forced(node: _Edge, depth: int):  # inside an edge: every occurrence goes on
+            return self.seqs[node.seq][node.start + depth] if depth < node.depth else None
+
+        return _speculate(node, depth, limit, min_prob, forced)
 
     def nodes(self) -> int:
         n, stack = 0, [self.root]
