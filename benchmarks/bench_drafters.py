@@ -20,6 +20,7 @@ global tree across prompts, as in use. Not a test: speed is measured, never asse
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -47,7 +48,7 @@ def engines(config: str, kinds: list[str], k_max: int, head: str) -> tuple[Engin
     specs = {kind: spec_from_config(load_config(config, {"drafter.kind": kind, **(
         {"drafter.head": head} if kind in ("head", "hybrid") else {})})) for kind in kinds}
     target_spec = max((s.target for s in specs.values()), key=lambda t: len(t.features))
-    built = build(dataclass_replace(specs[kinds[0]], target=target_spec, drafter=None), load)
+    built = build(dataclasses.replace(specs[kinds[0]], target=target_spec, drafter=None), load)
     vocab = load.ir(target_spec.model).config.vocab_size
     out = {}
     for kind, spec in specs.items():
@@ -55,11 +56,6 @@ def engines(config: str, kinds: list[str], k_max: int, head: str) -> tuple[Engin
                            eos_ids=built.eos_ids, chat_template=True, policy=AdaptiveDraftLength(k_max))
     base = Engine(built.target, None, tokenizer=built.tokenizer, eos_ids=built.eos_ids, chat_template=True)
     return base, out
-
-
-def dataclass_replace(obj, **kw):
-    import dataclasses
-    return dataclasses.replace(obj, **kw)
 
 
 def _clear_global(engine: Engine) -> None:

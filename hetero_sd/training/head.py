@@ -91,12 +91,11 @@ def init_head(cfg: HeadConfig, target_ir, draft_ids: np.ndarray, seed: int) -> E
 def _batches(examples: list[D.Example], batch: int, rng: np.random.Generator):
     """Random batches of equal-length sequences (cut to the shortest in the batch)."""
     while True:
-        for lo in range(0, len(examples) - batch + 1, batch):
-            pick = [examples[i] for i in rng.permutation(len(examples))[:batch]]
-            T = min(len(e.tokens) for e in pick)
-            yield (torch.as_tensor(np.stack([e.tokens[:T] for e in pick])),
-                   torch.as_tensor(np.stack([e.features[:T] for e in pick]).astype(np.float32)),
-                   torch.as_tensor(np.stack([e.labels[:T] for e in pick]).astype(np.float32)))
+        pick = [examples[i] for i in rng.permutation(len(examples))[:batch]]
+        T = min(len(e.tokens) for e in pick)
+        yield (torch.as_tensor(np.stack([e.tokens[:T] for e in pick])),
+               torch.as_tensor(np.stack([e.features[:T] for e in pick]).astype(np.float32)),
+               torch.as_tensor(np.stack([e.labels[:T] for e in pick]).astype(np.float32)))
 
 
 def train(head: EagleHead, examples: list[D.Example], opts: TrainOptions, out: Path, resume: bool) -> dict:
