@@ -35,7 +35,10 @@ class Built:
 
 def build(spec: EngineSpec, load: Loader) -> Built:
     models = list(model_specs(spec.drafter))
-    for model in [spec.target] + models:
+    # Backends and devices of models that load on another node are checked there, at load.
+    here = ([] if spec.target_ray else [spec.target]) + \
+        ([] if getattr(spec.drafter, "transport", None) == "ray" else models)
+    for model in here:
         load.check(model)
     target_ir = load.ir(spec.target.model)
     tokenizer = load.tokenizer(spec.target.model)
@@ -45,7 +48,7 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
     try:
         split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs
-        target = load(spec.target)
+        target = load_target(spec, load)
         if drafter is not None:
             drafter.wait_ready()
     except BaseException:
@@ -56,6 +59,15 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return Built(target, drafter, tokenizer, tuple(sorted(eos)))
+
+
+def load_target(spec: EngineSpec, load: Loader):
+    """The target's runner: here, or in a Ray actor on the node its placement names."""
+    if spec.target_ray is None:
+        return load(spec.target)
+    from hetero_sd.cluster.ray_target import RayRunner
+
+    return RayRunner(spec.target, spec.target_ray)
 
 
 def _check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
@@ -79,6 +91,10 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
     gen = cfg.generation
     # No re-planner without a drafter: re-planning only swaps drafters (a target failover stays).
     replanner = None if target_only else fallback
+    if spec.target_ray is not None and spec.target_ray.fallback:  # spare nodes for the target
+        from hetero_sd.cluster.ray_target import spare_targets
+
+        fallback = spare_targets(spec.target, spec.target_ray)
     return dict(target=built.target, drafter=built.drafter, tokenizer=built.tokenizer, eos_ids=built.eos_ids,
                 max_new_tokens=gen.max_new_tokens, stop=tuple(gen.stop), chat_template=gen.chat_template,
                 sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=replanner, plan=plan,

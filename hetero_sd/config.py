@@ -25,20 +25,52 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RayNode(_Section):
+    """Which node of a Ray cluster an actor goes to: one offering these Ray
+    resources (`ray start --resources`), carrying these labels (`ray start
+    --labels`), or with this node id; and what the actor reserves there."""
+
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    node_id: str | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class RaySection(RayNode):
+    """process: ray. The cluster to join and where on it (hetero_sd/cluster)."""
+
+    # "auto": RAY_ADDRESS or the head started on this host; or "HOST:6379"; or "ray://HOST:10001"
+    address: str = "auto"
+    start_local: bool = False  # no cluster at `address`: start a one-machine cluster here
+    namespace: str = "hetero-sd"
+
+
+class TargetRaySection(RaySection):
+    timeout_s: Annotated[float, Field(gt=0)] = 60.0  # a slower target call means a hung actor
+    # Spare placements, in order: where the target moves (its sequences replayed) when
+    # its node or actor dies. Each loads only when it is needed.
+    fallback: list[RayNode] = Field(default_factory=list)
+
+
 class ModelPlacement(_Section):
     model: str = DEFAULT_MODEL  # a HF folder, a .gguf file, or a catalog name (hetero-sd models)
     backend: str = "torch"
     device: str = "cpu"
     precision: str = "default"  # "default" = the device's default precision
+    process: Literal["inproc", "ray"] = "inproc"  # ray: in a Ray actor, placed by `ray:`
+    ray: TargetRaySection | None = None
 
 
 # Where a drafter (or a cascade stage) runs: `process: worker` is its own process,
-# started and supervised by the engine (hetero_sd/drafting/remote.py), reached over `transport`.
-Process = Literal["inproc", "worker"]
+# started and supervised by the engine (hetero_sd/drafting/remote.py), reached over `transport`;
+# `process: ray` a Ray actor on the node `ray:` names (hetero_sd/cluster), reached through Ray.
+Process = Literal["inproc", "worker", "ray"]
 Transport = Literal["shm", "tcp", "pipe"]
 Mode = Literal["sync", "async"]  # async: the worker drafts ahead while the target verifies
 Seconds = Annotated[float, Field(gt=0)]
 WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads", "cpus")  # need process: worker
+LOCAL_ONLY_KEYS = ("transport", "cpus")  # of those, meaningless for a Ray actor
 CPUs = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 SUFFIX_KINDS = ("suffix", "hybrid")  # the drafter kinds the suffix_* keys configure
 
@@ -60,6 +92,7 @@ class StageConfig(_Section):
     threads: Annotated[int, Field(ge=1)] | None = None
     cpus: CPUs | None = None  # the worker's CPUs; the engine's process keeps the others
     vocab: Annotated[int, Field(ge=1)] | None = None  # score only token ids < vocab (a cheaper head)
+    ray: RaySection | None = None  # process: ray
 
 
 class DrafterConfig(_Section):
@@ -100,6 +133,7 @@ class DrafterConfig(_Section):
     # Cores split between the processes: the worker runs on these CPUs, the
     # engine's process (the target) on the others, so neither steals the other's.
     cpus: CPUs | None = None
+    ray: RaySection | None = None  # process: ray: the cluster and the node (hetero_sd/cluster)
     # kind=model: the draft's LM head scores only token ids < vocab (BPE lists
     # frequent tokens first): a cheaper draft; the target still decides every token.
     vocab: Annotated[int, Field(ge=1)] | None = None
@@ -296,6 +330,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
                           f"drafter.kind: model (kind is {cfg.drafter.kind!r})")
     _check_workers(cfg, path)
+    _check_target(cfg, path)
     cfg.generation.constraint_spec(str(path))  # a bad grammar fails now, naming the file and key
     return cfg
 
@@ -304,22 +339,53 @@ def _check_workers(cfg: Config, path: Path) -> None:
     """Worker and cascade keys that cannot work together, named by key path."""
     d = cfg.drafter
     levels = [("drafter", d)] + [(f"drafter.stages.{i}", s) for i, s in enumerate(d.stages)]
-    if (d.process == "worker" or d.stages) and (cfg.placement == "auto"
+    if (d.process != "inproc" or d.stages) and (cfg.placement == "auto"
                                                 or d.kind not in ("ngram", "suffix", "model")):
         key = "drafter.stages" if d.stages else "drafter.process"
         raise ConfigError(f"{path}: {key}: workers and cascades need drafter.kind ngram or model (or suffix) "
                           f"with placement: manual (got kind {d.kind!r}, placement {cfg.placement!r})")
     for key, level in levels:
-        if level.process == "inproc":
-            for name in WORKER_KEYS:
-                if name in level.model_fields_set:
-                    raise ConfigError(f"{path}: {key}.{name} applies to a drafter in its own process; "
-                                      f"add {key}.process: worker (or remove {name})")
+        _check_process_keys(level, key, path)
     # A worker stage runs everything inside it (later stages, the drafter) in its own process.
     # levels[0] is innermost, then stages.0 is outermost: order the workers by depth.
     depth = [0] + [len(d.stages) - i for i in range(len(d.stages))]
-    workers = sorted((depth[i], key) for i, (key, level) in enumerate(levels) if level.process == "worker")
+    workers = sorted((depth[i], key) for i, (key, level) in enumerate(levels) if level.process != "inproc")
     if len(workers) > 1:
         inner, outer = workers[0][1], workers[-1][1]
-        raise ConfigError(f"{path}: {inner}.process: worker inside the worker of {outer}, which already "
+        raise ConfigError(f"{path}: {inner}.process: {_level(cfg, inner).process} inside the worker of {outer}, "
+                          f"which already "
                           f"runs it; set {inner}.process: inproc (one worker per cascade)")
+
+
+def _level(cfg: Config, key: str):
+    return cfg.drafter if key == "drafter" else cfg.drafter.stages[int(key.rsplit(".", 1)[1])]
+
+
+def _check_process_keys(level, key: str, path: Path) -> None:
+    """Keys that only mean something for another `process:`, named with the fix."""
+    given = level.model_fields_set
+    if level.process == "inproc":
+        for name in WORKER_KEYS + ("ray",):
+            if name in given:
+                raise ConfigError(f"{path}: {key}.{name} applies to a drafter in its own process; "
+                                  f"add {key}.process: {'ray' if name == 'ray' else 'worker'} (or remove {name})")
+    elif level.process == "worker" and "ray" in given:
+        raise ConfigError(f"{path}: {key}.ray places a Ray actor; it needs {key}.process: ray (is worker)")
+    elif level.process == "ray":
+        for name in LOCAL_ONLY_KEYS:
+            if name in given:
+                raise ConfigError(f"{path}: {key}.{name} applies to a local worker process; a Ray actor is "
+                                  f"reached through Ray on its own node (remove {name}, or set process: worker)")
+
+
+def _check_target(cfg: Config, path: Path) -> None:
+    t = cfg.target
+    if "ray" in t.model_fields_set and t.process != "ray":
+        raise ConfigError(f"{path}: target.ray places the target in a Ray actor; it needs target.process: ray")
+    if t.process == "ray" and cfg.placement == "auto":
+        raise ConfigError(f"{path}: target.process: ray needs placement: manual (the splitter plans one host)")
+    addresses = {s.ray.address for s in (t, cfg.drafter, *cfg.drafter.stages)
+                 if s.process == "ray" and s.ray is not None and s.ray.address != "auto"}
+    if len(addresses) > 1:
+        raise ConfigError(f"{path}: the ray sections name different clusters ({', '.join(sorted(addresses))}); "
+                          "one engine joins one Ray cluster")

@@ -90,7 +90,9 @@ def is_device_failure(exc: BaseException) -> bool:
 
 
 def where(runner) -> str:
-    return f"{getattr(runner.device, 'backend', '?')}:{getattr(runner.device, 'device', '?')}"
+    at = f"{getattr(runner.device, 'backend', '?')}:{getattr(runner.device, 'device', '?')}"
+    node = getattr(runner, "location", None)  # a runner on another machine (cluster.RayRunner)
+    return f"{at} on {node}" if node else at
 
 
 @dataclass

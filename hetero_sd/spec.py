@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetero_sd.cluster import RayPlacement
 from hetero_sd.config import Config, resolve_model
 from hetero_sd.drafting.specs import (CascadeSpec, DrafterSpec, HeadSpec, HybridSpec, ModelSpec, NgramSpec,
                                       SuffixSpec, WorkerSpec)
@@ -26,6 +27,7 @@ class EngineSpec:
     drafter: DrafterSpec | None  # None: target-only
     k: int | str = 5  # drafts per round, or "auto" (adaptive, up to k_max)
     k_max: int = 8
+    target_ray: RayPlacement | None = None  # the target in a Ray actor there (hetero_sd/cluster)
 
 
 def config_dir(cfg: Config) -> Path | None:
@@ -74,21 +76,42 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     drafter = None
     if d.kind != "none" and not target_only:
         levels = [d] + [d.stages[i] for i in reversed(range(len(d.stages)))]  # innermost first
-        worker = max((j for j, level in enumerate(levels) if level.process == "worker"), default=None)
+        worker = max((j for j, level in enumerate(levels) if level.process != "inproc"), default=None)
         drafter = _innermost(cfg)
         default_k = d.k if isinstance(d.k, int) else d.k_max
         for j, level in enumerate(levels):
             if j > 0:
                 i = len(d.stages) - j
                 drafter = CascadeSpec(drafter, placed(cfg, level, f"drafter.stages.{i}"), k=level.k or default_k)
-            if j == worker:
+            if j == worker and level.process == "ray":
+                drafter = WorkerSpec(drafter, "ray", level.mode, level.timeout_s, level.start_timeout_s,
+                                     level.threads, ray=ray_placement(level.ray))
+            elif j == worker:
                 drafter = WorkerSpec(drafter, level.transport, level.mode, level.timeout_s, level.start_timeout_s,
                                      level.threads, tuple(level.cpus) if level.cpus else None)
     target = placed(cfg, cfg.target, "target")
     features = head_features(drafter)
     if features:  # the head reads these layers of the target: its runner returns them
         target = dataclasses.replace(target, features=features)
-    return EngineSpec(target, drafter, d.k, d.k_max)
+    target_ray = ray_placement(cfg.target.ray) if cfg.target.process == "ray" else None
+    return EngineSpec(target, drafter, d.k, d.k_max, target_ray)
+
+
+def ray_placement(section) -> RayPlacement:
+    """A config's ray section (None: the defaults) as the spec tree's RayPlacement."""
+    from hetero_sd.config import RaySection
+
+    section = section or RaySection()
+
+    def node(n) -> dict:
+        return dict(resources=tuple(sorted(n.resources.items())), labels=tuple(sorted(n.labels.items())),
+                    node_id=n.node_id, num_cpus=n.num_cpus, num_gpus=n.num_gpus)
+
+    return RayPlacement(section.address, section.start_local, section.namespace, **node(section),
+                        timeout_s=getattr(section, "timeout_s", RayPlacement.timeout_s),
+                        fallback=tuple(RayPlacement(section.address, section.start_local, section.namespace,
+                                                    **node(n), timeout_s=getattr(section, "timeout_s", 60.0))
+                                       for n in getattr(section, "fallback", ())))
 
 
 def default_head(target_model: str) -> Path:

@@ -86,3 +86,23 @@ class VerifyResult(_Record):
     seq_id: int
     accepted: int  # number of draft tokens kept, 0..n_draft
     tokens: list[int] = field(default_factory=list)  # [accepted + 1] committed ids: accepted + bonus
+
+
+# RunnerCall ops
+ALLOCATE, FORWARD, GREEDY, TRUNCATE, RELEASE, LENGTH, FEATURES, COPY_PREFIX = range(1, 9)
+
+
+@dataclass
+class RunnerCall(_Record):
+    """One call of a Runner that lives in another process (a Ray actor,
+    hetero_sd/cluster). `start` is the committed length the call starts at
+    (ALLOCATE: the capacity; TRUNCATE, COPY_PREFIX: the length), so a call
+    re-sent after a reconnect rewrites the same positions and never commits
+    twice. COPY_PREFIX copies seq_id's prefix into sequence `num_logits`."""
+
+    KIND = 5
+    op: int
+    seq_id: int
+    start: int
+    num_logits: int
+    tokens: list[int] = field(default_factory=list)  # [T] int32 (FORWARD, GREEDY)

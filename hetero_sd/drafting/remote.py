@@ -7,7 +7,8 @@
 
 A RemoteDrafter is a Drafter: begin / draft / reset become requests to a
 worker process (worker.py) over a transport (shm, tcp, pipe; "inproc" runs
-the worker loop in a thread of this process, for tests). The wire format is
+the worker loop in a thread of this process, for tests), or in a Ray actor
+placed on a node of a cluster (transport "ray": hetero_sd/cluster). The wire format is
 in wire.py: work-IR records, no pickling after start. `entry` is the
 process's target, `worker_entry()` of build.py (a test may pass its own, to
 inject faults from outside).
@@ -142,7 +143,8 @@ class RemoteDrafter(Drafter):
                  mode: str = "sync", timeout_s: float = 5.0, start_timeout_s: float = 300.0,
                  lookahead: int | None = None, threads: int | None = None,
                  cpu: int | tuple[int, ...] | None = None,
-                 start_method: str = "forkserver", max_failed_starts: int = 3, start: bool = True):
+                 start_method: str = "forkserver", max_failed_starts: int = 3, start: bool = True,
+                 ray=None):
         for value, allowed, what in ((transport, TRANSPORTS, "transport"), (mode, MODES, "mode"),
                                      (start_method, START_METHODS, "start_method")):
             if value not in allowed:
@@ -150,6 +152,7 @@ class RemoteDrafter(Drafter):
         if timeout_s <= 0 or start_timeout_s <= 0:
             raise ConfigError(f"worker timeouts must be positive, got {timeout_s} and {start_timeout_s}")
         self.entry, self.spec, self.transport, self.mode = entry, spec, transport, mode
+        self.placement = ray  # transport "ray": a cluster.RayPlacement (None: any node of the cluster)
         self.start_method = start_method
         self.vocab, self.timeout_s, self.start_timeout_s = target_vocab, timeout_s, start_timeout_s
         self.max_failed_starts = max_failed_starts
@@ -172,7 +175,13 @@ class RemoteDrafter(Drafter):
     def start(self) -> None:
         """Start a worker (returns at once; wait_ready() waits for its model)."""
         self.close()
-        self._w = _Worker(self.entry, self.spec, self.options, self.transport, self.start_method)
+        if self.transport == "ray":  # an actor, possibly on another machine
+            from hetero_sd.cluster import RayPlacement
+            from hetero_sd.cluster.ray_drafter import RayWorker
+
+            self._w = RayWorker(self.spec, self.options, self.placement or RayPlacement(), self.name)
+        else:
+            self._w = _Worker(self.entry, self.spec, self.options, self.transport, self.start_method)
         self._ready = self._warm = False
         self.stats.starts += 1
 

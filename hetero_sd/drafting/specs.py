@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Union
 
+from hetero_sd.cluster.placement import RayPlacement
+
 DEFAULT_KV_BUDGET = 256 * 2**20
-TRANSPORTS = ("shm", "tcp", "pipe", "inproc")  # inproc: the worker loop in a thread (tests)
+TRANSPORTS = ("shm", "tcp", "pipe", "inproc", "ray")  # inproc: the worker loop in a thread (tests); ray: an actor
 MODES = ("sync", "async")  # async: the worker drafts ahead while the target verifies (greedy)
 
 
@@ -128,6 +130,7 @@ class WorkerSpec:
     start_timeout_s: float = 300.0  # the same for its start and first draft (model load)
     threads: int | None = None  # the worker's compute threads; None: the runtime's default
     cpus: tuple[int, ...] | None = None  # the worker's CPUs; the engine's process keeps the others
+    ray: RayPlacement | None = None  # transport "ray": where the actor goes (hetero_sd/cluster)
 
     @property
     def label(self) -> str:

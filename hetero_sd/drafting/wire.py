@@ -12,6 +12,8 @@ which reply it is reading; anything else is a malformed reply.
 Worker -> engine: one frame (transport.pack_frame) per reply:
   refs   the draft distributions' TensorRef when they travel through the shm arena
   record Reply header | body | inline distributions (transports without an arena)
+A Ray actor's distributions travel beside the frame instead, as a numpy array
+in Ray's object store (Transport.take_tensor).
 The body of DRAFT is a packed DraftResult, of READY a Control, of an error
 "ErrorClass: message" in UTF-8.
 
@@ -99,7 +101,13 @@ def decode_reply(channel, frame: bytes, vocab: int) -> Reply:
                             f"does not fit a {len(record)}-byte record")
     reply = Reply(status, answers, bytes(record[_HEADER.size:body_end]), source, compute_s, ahead_s)
     inline = record[body_end:]
-    if refs:
+    side = channel.take_tensor()  # beside the frame: Ray's object store
+    if side is not None:
+        if refs or inline or side.ndim != 2 or side.shape[1] != vocab or side.dtype != np.float64:
+            raise CorruptRecord(f"reply carries distributions {side.dtype}{list(side.shape)} beside the frame "
+                                f"and {len(refs)} tensor refs, {len(inline)} inline bytes in it")
+        reply.probs = side
+    elif refs:
         if len(refs) != 1 or channel.rx_arena is None or inline:
             raise CorruptRecord(f"reply carries {len(refs)} tensor refs and {len(inline)} inline bytes")
         reply.region = refs[0].region

@@ -114,6 +114,11 @@ class Handler:
         self.ahead_s = 0.0  # seconds drafted ahead since the last reply
 
     def __call__(self, msg: bytes) -> bytes:
+        return encode_reply(self.channel, self.reply(msg))
+
+    def reply(self, msg: bytes) -> Reply:
+        """The answer to one request, not yet encoded (a Ray actor sends its
+        distributions beside the frame, through the object store)."""
         t0 = time.perf_counter()
         try:
             kind = struct.unpack_from("<i", msg)[0]
@@ -126,7 +131,7 @@ class Handler:
         except Exception as exc:
             reply = error_reply(DRAFT, exc)
         reply.compute_s, reply.ahead_s, self.ahead_s = time.perf_counter() - t0, self.ahead_s, 0.0
-        return encode_reply(self.channel, reply)
+        return reply
 
     def _control(self, ctl: Control) -> Reply:
         if self.load_error is not None:  # every request learns why the worker cannot draft

@@ -32,6 +32,12 @@ class Transport:
     def close(self) -> None:
         raise NotImplementedError
 
+    def take_tensor(self):
+        """A tensor that arrived beside the last record received, outside its
+        bytes (a Ray actor's reply, through the object store), once; None on
+        transports that carry tensors in the record or an arena."""
+        return None
+
     def handed_over(self) -> None:
         """Server side: the peer process has started with its copy of `address`.
         (Pipes close the parent's copy of the child's end here, so a dead child
