@@ -29,9 +29,7 @@ def _generate(args) -> int:
     engine = Engine.from_config(cfg, progress=not args.json and sys.stderr.isatty() or args.progress,
                                 target_only=args.target_only)
     if args.explain:
-        print(engine.plan.explain() if engine.plan is not None else
-              "placement: manual (the config fixes every placement; set placement: auto to let "
-              "the splitter choose)", file=sys.stderr)
+        print(_explain(engine, cfg), file=sys.stderr)
     try:
         result = engine.generate(prompt, target_only=args.target_only, constraint=constraint)
     except GenerationError as exc:
@@ -45,6 +43,17 @@ def _generate(args) -> int:
         print(result.text)
         print(result.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _explain(engine, cfg) -> str:
+    if engine.plan is not None:
+        return engine.plan.explain()
+    from hetero_sd.cluster.explain import explain_cluster
+
+    k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max
+    across = explain_cluster(engine, k, sampled=cfg.generation.temperature > 0)
+    return across or ("placement: manual (the config fixes every placement; set placement: auto to let "
+                      "the splitter choose)")
 
 
 def _constraint(args):

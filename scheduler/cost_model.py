@@ -133,13 +133,27 @@ class RoundCost:
 
     verify: CostCurve
     draft: CostCurve = CostCurve(((1, 0.0),))
+    # Seconds per round on the link to a drafter on another node (a request out, the draft
+    # back: cluster/link.py); 0 in one process or host.
+    link: float = 0.0
 
     def seconds(self, k: int, hit: float = 1.0) -> float:
         """Expected time of a round asking for k drafts (k = 0: one target decode).
         A miss (no drafts) still pays the drafter's lookup, then verifies 1 token."""
         if k == 0:
             return self.verify(1)
-        return self.draft(k) + hit * self.verify(k + 1) + (1.0 - hit) * self.verify(1)
+        return self.draft(k) + self.link + hit * self.verify(k + 1) + (1.0 - hit) * self.verify(1)
+
+    def seconds_ahead(self, alpha: float, k: int, hit: float = 1.0) -> float:
+        """The same with the drafter working ahead (mode: async): while the target
+        verifies, it drafts on from its own guess, so a round whose k drafts were all
+        kept finds the next ones ready (it pays only the link), and only a rejection
+        makes it draft after the reply; drafting ahead longer than a verify shows."""
+        if k == 0:
+            return self.verify(1)
+        d, v = self.draft(k), hit * self.verify(k + 1) + (1.0 - hit) * self.verify(1)
+        kept = alpha ** k
+        return self.link + v + (1.0 - kept) * d + kept * max(0.0, d - v)
 
     def rate(self, alpha: float, k: int, hit: float = 1.0) -> float:
         """Expected committed tokens per second with k drafts per round."""
@@ -149,7 +163,7 @@ class RoundCost:
         """Upper bound on rate(k') for every k' in k..k_max: the numerator grows
         with k' up to its value at k_max; the denominator is at least the
         minima of D and V over the remaining sizes (both monotone in floats)."""
-        low = self.draft.min_from(k) + hit * self.verify.min_from(k + 1) + (1.0 - hit) * self.verify(1)
+        low = self.draft.min_from(k) + self.link + hit * self.verify.min_from(k + 1) + (1.0 - hit) * self.verify(1)
         # The margin covers a last-ulp wobble of pow(); it can only make the bound looser.
         return tokens_per_round(alpha, k_max, hit) / low * (1 + 1e-12) if low > 0 else math.inf
 
