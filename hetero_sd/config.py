@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -261,6 +262,8 @@ def _section_of(loc) -> type[BaseModel] | None:
         annotation = field.annotation if field is not None else None
         if typing.get_origin(annotation) is list:
             annotation = typing.get_args(annotation)[0]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section
+            annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
         if not isinstance(annotation, type) or not issubclass(annotation, BaseModel):
             return None
         model = annotation

@@ -85,7 +85,7 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
                 drafter = CascadeSpec(drafter, placed(cfg, level, f"drafter.stages.{i}"), k=level.k or default_k)
             if j == worker and level.process == "ray":
                 drafter = WorkerSpec(drafter, "ray", level.mode, level.timeout_s, level.start_timeout_s,
-                                     level.threads, ray=ray_placement(level.ray))
+                                     level.threads, ray=ray_placement(level.ray, cluster_keys(cfg)))
             elif j == worker:
                 drafter = WorkerSpec(drafter, level.transport, level.mode, level.timeout_s, level.start_timeout_s,
                                      level.threads, tuple(level.cpus) if level.cpus else None)
@@ -93,25 +93,36 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
     features = head_features(drafter)
     if features:  # the head reads these layers of the target: its runner returns them
         target = dataclasses.replace(target, features=features)
-    target_ray = ray_placement(cfg.target.ray) if cfg.target.process == "ray" else None
+    target_ray = ray_placement(cfg.target.ray, cluster_keys(cfg)) if cfg.target.process == "ray" else None
     return EngineSpec(target, drafter, d.k, d.k_max, target_ray)
 
 
-def ray_placement(section) -> RayPlacement:
-    """A config's ray section (None: the defaults) as the spec tree's RayPlacement."""
+def ray_placement(section, cluster: dict) -> RayPlacement:
+    """A config's ray section (None: the defaults) as the spec tree's RayPlacement,
+    with the cluster keys every section shares (`cluster_keys`)."""
     from hetero_sd.config import RaySection
 
     section = section or RaySection()
+    timeout = getattr(section, "timeout_s", RayPlacement.timeout_s)
 
-    def node(n) -> dict:
-        return dict(resources=tuple(sorted(n.resources.items())), labels=tuple(sorted(n.labels.items())),
-                    node_id=n.node_id, num_cpus=n.num_cpus, num_gpus=n.num_gpus)
+    def node(n) -> RayPlacement:
+        return RayPlacement(**cluster, resources=tuple(sorted(n.resources.items())),
+                            labels=tuple(sorted(n.labels.items())), node_id=n.node_id, num_cpus=n.num_cpus,
+                            num_gpus=n.num_gpus, timeout_s=timeout)
 
-    return RayPlacement(section.address, section.start_local, section.namespace, **node(section),
-                        timeout_s=getattr(section, "timeout_s", RayPlacement.timeout_s),
-                        fallback=tuple(RayPlacement(section.address, section.start_local, section.namespace,
-                                                    **node(n), timeout_s=getattr(section, "timeout_s", 60.0))
-                                       for n in getattr(section, "fallback", ())))
+    return dataclasses.replace(node(section), fallback=tuple(node(n) for n in getattr(section, "fallback", ())))
+
+
+def cluster_keys(cfg: Config) -> dict:
+    """address, start_local and namespace: one engine joins one cluster, so a key set
+    in any ray section holds for all (load_config refuses two different addresses)."""
+    sections = [s.ray for s in (cfg.target, cfg.drafter, *cfg.drafter.stages) if s.process == "ray" and s.ray]
+    out = {"address": "auto", "start_local": False, "namespace": "hetero-sd"}
+    for section in sections:
+        for key in out:
+            if key in section.model_fields_set and getattr(section, key) != out[key]:
+                out[key] = getattr(section, key)
+    return out
 
 
 def default_head(target_model: str) -> Path:

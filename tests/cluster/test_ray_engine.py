@@ -6,9 +6,7 @@ points, its node killed, and the target's node killed with a spare placement:
 the output never changes and the event is in stats.events."""
 from __future__ import annotations
 
-import os
 import random
-import signal
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.engine import Engine
 from hetero_sd.ir import load_model_ir
 from hetero_sd.sampling import SamplingParams
-from helpers.drafters import ProxyDrafter
+from helpers.drafters import KillAt, ProxyDrafter
 from helpers.near import YAML as NEAR_YAML, near_spec
 from helpers.tiny_models import random_prompt
 
@@ -126,36 +124,17 @@ def test_seeded_sampling_equals_the_in_process_drafter(ray_cluster, tiny_model_d
         remote.close()
 
 
-class _KillAt(ProxyDrafter):
-    """Kills the drafter's actor process (SIGKILL, from outside) at a chosen draft
-    call, before the request goes out or after its reply; counted in calls."""
-
-    def __init__(self, inner, call: int, after_reply: bool):
-        super().__init__(inner)
-        self.call, self.after_reply, self.calls = call, after_reply, 0
-
-    def draft(self, req):
-        self.calls += 1
-        kill = self.calls == self.call
-        if kill and not self.after_reply:
-            os.kill(self.inner.pid, signal.SIGKILL)
-        result = self.inner.draft(req)
-        if kill and self.after_reply:
-            os.kill(self.inner.pid, signal.SIGKILL)
-        return result
-
-
 def test_drafter_actor_killed_at_random_points(ray_cluster, model, local):
     drafter = RemoteDrafter(near_spec(model, BUDGET), local.vocab_size, entry=worker_entry(), transport="ray",
                             ray=DRAFT_NODE, timeout_s=30, threads=1)
     try:
         prompt, new = random_prompt(10, seed=21), 40
-        counter = _KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
+        counter = KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
         want = Engine(local, counter, k=3).generate_ids(prompt, new).token_ids
         assert want == expected(local, prompt, new) and counter.calls > 2
         rng = random.Random(17)
         for run in range(10):  # a later draft call always follows, and sees the death
-            killer = _KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
+            killer = KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
             got = Engine(local, killer, k=3).generate_ids(prompt, new)
             assert got.token_ids == want, f"run {run}: output changed after the actor was killed"
             assert any("failed" in e for e in got.stats.events), (run, got.stats.events)

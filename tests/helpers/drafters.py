@@ -1,6 +1,9 @@
 """Drafter proxies for tests: wrap a real drafter and look at, or alter, its proposals."""
 from __future__ import annotations
 
+import os
+import signal
+
 from hetero_sd.drafting.base import Drafter
 
 
@@ -20,4 +23,25 @@ class ProxyDrafter(Drafter):
         return self.seen(req, self.inner.draft(req))
 
     def seen(self, req, result):
+        return result
+
+
+class KillAt(ProxyDrafter):
+    """SIGKILLs the worker (its process, or a Ray actor's) from outside at a
+    chosen draft call of the run: just before the request goes out, or just
+    after its reply (an async worker is then drafting ahead). Counted in calls, so where it lands is not a matter
+    of this machine's speed."""
+
+    def __init__(self, inner, call: int, after_reply: bool):
+        super().__init__(inner)
+        self.call, self.after_reply, self.calls = call, after_reply, 0
+
+    def draft(self, req):
+        self.calls += 1
+        kill = self.calls == self.call and self.inner.pid is not None
+        if kill and not self.after_reply:
+            os.kill(self.inner.pid, signal.SIGKILL)
+        result = self.inner.draft(req)
+        if kill and self.after_reply:
+            os.kill(self.inner.pid, signal.SIGKILL)
         return result

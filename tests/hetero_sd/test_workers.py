@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from hetero_sd.drafting.specs import ModelSpec, NgramSpec
 from hetero_sd.drafting.worker import Lookahead
 from hetero_sd.drafting.wire import AHEAD, FRESH
 from hetero_sd.drafting.remote import RemoteDrafter
-from helpers.drafters import ProxyDrafter
+from helpers.drafters import KillAt, ProxyDrafter
 from helpers.near import YAML as NEAR_YAML, near_spec
 from helpers.tiny_models import random_prompt
 from helpers.workers import FaultSpec, remote as make_remote
@@ -219,39 +218,18 @@ def test_sampled_drafts_match_an_in_process_drafter(target, paths, remote, trans
 
 
 # ------------------------------------------------------------------ failures
-class _KillAt(ProxyDrafter):
-    """SIGKILLs the worker from outside at a chosen draft call of the run: just
-    before the request goes out, or just after its reply (an async worker is
-    then drafting ahead). Counted in calls, so where it lands is not a matter
-    of this machine's speed."""
-
-    def __init__(self, inner, call: int, after_reply: bool):
-        super().__init__(inner)
-        self.call, self.after_reply, self.calls = call, after_reply, 0
-
-    def draft(self, req):
-        self.calls += 1
-        kill = self.calls == self.call and self.inner.pid is not None
-        if kill and not self.after_reply:
-            os.kill(self.inner.pid, signal.SIGKILL)
-        result = self.inner.draft(req)
-        if kill and self.after_reply:
-            os.kill(self.inner.pid, signal.SIGKILL)
-        return result
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_9_at_random_points(target, paths, remote, mode):
     """20 runs, each with the worker SIGKILLed at a random draft call: every
     output equals the undisturbed run, and no segment outlives its worker."""
     drafter = remote(near_spec(paths["target"], BUDGET), transport="shm", mode=mode)
     prompt, new = random_prompt(10, seed=21), 40
-    counter = _KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
+    counter = KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
     want = Engine(target, counter, k=3).generate_ids(prompt, new).token_ids
     assert want == expected(target, prompt, new) and counter.calls > 2
     rng = random.Random(1234)
     for run in range(20):  # a later draft call always follows, and sees the death
-        killer = _KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
+        killer = KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
         got = Engine(target, killer, k=3).generate_ids(prompt, new)
         assert got.token_ids == want, f"run {run}: output changed after kill -9"
         assert any("failed" in e for e in got.stats.events), (run, got.stats.events)
