@@ -37,13 +37,12 @@ class DrafterActor:
     """The actor body (wrapped by ray.remote when started): a Handler, and a
     thread that drafts ahead while no call is being answered."""
 
-    def __init__(self, spec, options):
+    def __init__(self, spec, options, build):
         from hetero_sd.drafting import worker
-        from hetero_sd.drafting.build import build_drafter
 
         worker._setup(options)  # threads and HETERO_SD_* environment, as a worker process
         try:
-            drafter, error = build_drafter(spec, options.target_vocab), None
+            drafter, error = build(spec, options.target_vocab), None
         except Exception as exc:  # every request learns why (HELLO answers with it)
             drafter, error = None, exc
         self.handler = worker.Handler(_Beside, drafter, error, options, spec)
@@ -140,10 +139,11 @@ class RayWorker:
 
     held = None  # no arena region to release
 
-    def __init__(self, spec, options, placement: RayPlacement, name: str):
+    def __init__(self, spec, options, placement: RayPlacement, name: str, build):
+        """`build(spec, target_vocab)` makes the drafter in the actor (drafting.build.build_drafter)."""
         ray = connect(placement)
         check_placeable(placement, f"drafter {name}")
-        self.actor = ray.remote(DrafterActor).options(**actor_options(placement)).remote(spec, options)
+        self.actor = ray.remote(DrafterActor).options(**actor_options(placement)).remote(spec, options, build)
         self.channel = RayChannel(self.actor)
         self.proc = self  # RemoteDrafter reads proc.exitcode of a dead worker
         self.exitcode = None

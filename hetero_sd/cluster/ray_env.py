@@ -43,7 +43,11 @@ def connect(placement: RayPlacement):
         ray.init(address=address, namespace=placement.namespace, logging_level=logging.WARNING,
                  log_to_driver=True, include_dashboard=False if address is None else None)
     except ConnectionError as exc:
-        raise ConfigError(f"ray.address {placement.address!r}: cannot join the Ray cluster: {exc}") from None
+        auth = "" if os.environ.get("RAY_AUTH_MODE") == "token" else (
+            "; if the cluster uses token authentication (Ray >= 2.59 turns it on for clusters started on "
+            "one's own machines), set RAY_AUTH_MODE=token here and give this machine the head's token "
+            "(~/.ray/auth_token, or RAY_AUTH_TOKEN; `ray get-auth-token` on the head prints it)")
+        raise ConfigError(f"ray.address {placement.address!r}: cannot join the Ray cluster: {exc}{auth}") from None
     _connected.update(address=placement.address, started=address is None)
     return ray
 

@@ -179,7 +179,12 @@ class RemoteDrafter(Drafter):
             from hetero_sd.cluster import RayPlacement
             from hetero_sd.cluster.ray_drafter import RayWorker
 
-            self._w = RayWorker(self.spec, self.options, self.placement or RayPlacement(), self.name)
+            # the actor runs the worker's Handler with the entry's build function (worker_entry())
+            build = getattr(self.entry, "keywords", {}).get("build")
+            if build is None:
+                raise ConfigError("transport 'ray' needs a worker entry that names its build function "
+                                  "(drafting.build.worker_entry())")
+            self._w = RayWorker(self.spec, self.options, self.placement or RayPlacement(), self.name, build)
         else:
             self._w = _Worker(self.entry, self.spec, self.options, self.transport, self.start_method)
         self._ready = self._warm = False

@@ -18,25 +18,13 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
+from helpers.ray_procs import ray_daemons, ray_processes
+
 import ray  # the [ray] extra, part of [test]
 from ray.cluster_utils import Cluster
 
 NODES = {"target": dict(num_cpus=2, resources={"target_node": 1}),
          "draft": dict(num_cpus=2, resources={"draft_node": 1}, labels={"role": "draft"})}
-
-
-def ray_processes() -> list[psutil.Process]:
-    """Ray's processes among this test process's descendants (raylets, GCS, workers)."""
-    out = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            text = " ".join(proc.cmdline()) + " " + proc.name()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        if proc.status() != psutil.STATUS_ZOMBIE and ("raylet" in text or "gcs_server" in text or "ray::" in text
-                                                      or "default_worker.py" in text):
-            out.append(proc)
-    return out
 
 
 @dataclass
@@ -84,3 +72,14 @@ def ray_cluster():
     left = [p for p in ray_processes() if p.pid not in before]
     gone, alive = psutil.wait_procs(left, timeout=10)
     assert not alive, f"Ray processes left running after shutdown: {[' '.join(p.cmdline())[:120] for p in alive]}"
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    import ray
+
+    ray.shutdown()
+    if ray_daemons():
+        pytest.fail(f"a Ray cluster is running on this host (pids {sorted(ray_daemons())}): "
+                    "these tests need none; stop it with `ray stop`")

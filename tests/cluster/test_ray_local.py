@@ -9,33 +9,12 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from hetero_sd.config import load_config
 from hetero_sd.engine import Engine
+from helpers.ray_procs import ray_daemons
 from hetero_sd.errors import ConfigError
-
-
-def ray_daemons() -> set[int]:
-    """Every raylet and GCS server on this host (ours or not)."""
-    out = set()
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
-        if "raylet" in text or "gcs_server" in text:
-            out.add(proc.pid)
-    return out
-
-
-@pytest.fixture
-def no_cluster(monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    import ray
-
-    ray.shutdown()
-    if ray_daemons():
-        pytest.fail(f"a Ray cluster is running on this host (pids {sorted(ray_daemons())}): "
-                    "these tests need none; stop it with `ray stop`")
 
 
 def _config(tmp_path, model, start_local: bool) -> str:
