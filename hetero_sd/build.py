@@ -22,7 +22,7 @@ from hetero_sd.drafting.specs import model_specs
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading import Loader
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
-from hetero_sd.spec import EngineSpec, spec_from_config
+from hetero_sd.spec import EngineSpec, reserve_places, spec_from_config
 
 
 @dataclass
@@ -45,6 +45,7 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     for model in models:
         if Path(model.model).resolve() != target_ir.source.resolve():
             _check_same_tokenizer(tokenizer, load.tokenizer(model.model), model.model)
+    spec = reserve_places(spec)  # a Ray placement group, when the config asks for one
     drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
     try:
         split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs

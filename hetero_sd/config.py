@@ -45,6 +45,10 @@ class RaySection(RayNode):
     address: str = "auto"
     start_local: bool = False  # no cluster at `address`: start a one-machine cluster here
     namespace: str = "hetero-sd"
+    # Reserve the target's and the drafters' places together, as one Ray placement group:
+    # STRICT_SPREAD (each on its own node), SPREAD, PACK, STRICT_PACK (all on one node).
+    # Places are then chosen by resources, num_cpus and num_gpus (not labels or node_id).
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
 
 
 class TargetRaySection(RaySection):
@@ -387,8 +391,16 @@ def _check_target(cfg: Config, path: Path) -> None:
         raise ConfigError(f"{path}: target.ray places the target in a Ray actor; it needs target.process: ray")
     if t.process == "ray" and cfg.placement == "auto":
         raise ConfigError(f"{path}: target.process: ray needs placement: manual (the splitter plans one host)")
-    addresses = {s.ray.address for s in (t, cfg.drafter, *cfg.drafter.stages)
-                 if s.process == "ray" and s.ray is not None and s.ray.address != "auto"}
+    rays = [(key, s.ray) for key, s in (("target", t), ("drafter", cfg.drafter),
+                                         *((f"drafter.stages.{i}", s) for i, s in enumerate(cfg.drafter.stages)))
+            if s.process == "ray" and s.ray is not None]
+    if any(r.strategy for _, r in rays):
+        for key, r in rays:
+            pinned = [n for n in ("labels", "node_id") if n in r.model_fields_set]
+            if pinned:
+                raise ConfigError(f"{path}: {key}.ray.{pinned[0]} cannot place an actor inside a placement "
+                                  "group (ray.strategy): bundles are matched by resources, num_cpus and num_gpus")
+    addresses = {r.address for _, r in rays if r.address != "auto"}
     if len(addresses) > 1:
         raise ConfigError(f"{path}: the ray sections name different clusters ({', '.join(sorted(addresses))}); "
                           "one engine joins one Ray cluster")

@@ -24,7 +24,9 @@ def add_parser(subparsers) -> None:
         description="Measure the configured target (and draft) model on every available (backend, device, "
                     "precision); results are cached per host, model and precision.")
     p.add_argument("--config", help="YAML config whose target and draft models are profiled "
-                                    "(default: the packaged configs/cpu.yaml)")
+                                    "(default: the packaged configs/cpu.yaml); one that places them on Ray "
+                                    "nodes (process: ray) is measured as placed: the link to each actor, "
+                                    "drafting and verifying, and the cost model's verdict")
     p.add_argument("--backends", help="comma-separated backends to profile (default: all available)")
     p.add_argument("--precisions", help="comma-separated precisions to profile (default: all)")
     p.add_argument("--k-max", type=int, default=None, help="verify widths 1..k_max+1 (default 8; quick: 4)")
@@ -56,6 +58,8 @@ def run(args) -> int:
     from hetero_sd.scheduler import plan
 
     cfg = load_config(args.config)
+    if uses_ray(cfg):
+        return _profile_cluster(cfg, args)
     target, draft = _models(cfg)
     k_max = args.k_max
     if k_max is not None and not 1 <= k_max <= 16:
@@ -82,6 +86,27 @@ def run(args) -> int:
         _print_table(report, roles)
         if chosen is not None:
             print(chosen.explain())
+    return 0
+
+
+def uses_ray(cfg) -> bool:
+    return any(s.process == "ray" for s in (cfg.target, cfg.drafter, *cfg.drafter.stages))
+
+
+def _profile_cluster(cfg, args) -> int:
+    """A placement across Ray nodes: the devices are on other machines, so what is
+    measured here is the placement as built: the link to each actor, the drafter's
+    D(k), the target's V(k+1) and V(1), and the cost model's verdict on them."""
+    from hetero_sd.cluster.explain import explain_cluster
+    from hetero_sd.engine import Engine
+
+    engine = Engine.from_config(cfg, progress=args.progress or sys.stderr.isatty())
+    try:
+        k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max
+        text = explain_cluster(engine, k, sampled=cfg.generation.temperature > 0)
+    finally:
+        engine.close()
+    print(json.dumps({"cluster": text}) if args.json else text)
     return 0
 
 

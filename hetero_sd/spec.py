@@ -113,11 +113,40 @@ def ray_placement(section, cluster: dict) -> RayPlacement:
     return dataclasses.replace(node(section), fallback=tuple(node(n) for n in getattr(section, "fallback", ())))
 
 
+def reserve_places(spec: EngineSpec) -> EngineSpec:
+    """With a ray strategy: the target's and the drafter's Ray placements reserved
+    together as one placement group (cluster.ray_env.reserve); else `spec` as is."""
+    worker = _ray_worker(spec.drafter)
+    placements = ([spec.target_ray] if spec.target_ray else []) + ([worker.ray] if worker else [])
+    if not any(p.strategy for p in placements):
+        return spec
+    from hetero_sd.cluster.ray_env import reserve
+
+    got = iter(reserve(placements))
+    target_ray = next(got) if spec.target_ray else None
+    drafter = _with_worker(spec.drafter, next(got)) if worker else spec.drafter
+    return dataclasses.replace(spec, target_ray=target_ray, drafter=drafter)
+
+
+def _ray_worker(d) -> WorkerSpec | None:
+    """The drafter tree's Ray worker (one at most: load_config allows one worker level)."""
+    if isinstance(d, WorkerSpec):
+        return d if d.transport == "ray" else None
+    return _ray_worker(d.inner) if isinstance(d, CascadeSpec) else None
+
+
+def _with_worker(d, placement: RayPlacement):
+    if isinstance(d, WorkerSpec):
+        return dataclasses.replace(d, ray=placement)
+    return dataclasses.replace(d, inner=_with_worker(d.inner, placement))
+
+
 def cluster_keys(cfg: Config) -> dict:
-    """address, start_local and namespace: one engine joins one cluster, so a key set
+    """address, start_local, namespace and strategy: one engine joins one cluster
+    (and reserves one placement group), so a key set
     in any ray section holds for all (load_config refuses two different addresses)."""
     sections = [s.ray for s in (cfg.target, cfg.drafter, *cfg.drafter.stages) if s.process == "ray" and s.ray]
-    out = {"address": "auto", "start_local": False, "namespace": "hetero-sd"}
+    out = {"address": "auto", "start_local": False, "namespace": "hetero-sd", "strategy": None}
     for section in sections:
         for key in out:
             if key in section.model_fields_set and getattr(section, key) != out[key]:

@@ -22,10 +22,23 @@ class RayPlacement:
     num_gpus: float = 0.0
     timeout_s: float = 60.0  # a target call slower than this means a hung actor (drafters: timeout_s)
     fallback: tuple["RayPlacement", ...] = ()
+    # One placement group for the engine's actors (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD);
+    # once reserved (ray_env.reserve), `group` names it and `bundle` is this actor's place in it.
+    strategy: str | None = None
+    group: str | None = None
+    bundle: int = 0
 
     @property
     def label(self) -> str:
         where = [f"{k}={v:g}" for k, v in self.resources] + [f"{k}:{v}" for k, v in self.labels]
         if self.node_id:
             where.append(f"node {self.node_id[:8]}")
+        if self.group:
+            where.append(f"{self.strategy} bundle {self.bundle}")
         return "ray[" + (",".join(where) or "any node") + "]"
+
+
+def bundle_of(p: RayPlacement) -> dict[str, float]:
+    """What an actor placed by `p` reserves: its bundle in a placement group."""
+    want = dict(p.resources, CPU=p.num_cpus, GPU=p.num_gpus)
+    return {k: float(v) for k, v in want.items() if v > 0}

@@ -7,14 +7,18 @@ must not quietly run everything on this machine).
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 
-from hetero_sd.cluster.placement import RayPlacement
+from hetero_sd.cluster.placement import RayPlacement, bundle_of
 from hetero_sd.errors import ConfigError
 
 _INSTALL = "pip install 'hetero-sd[ray]' (or: pip install ray)"
-_connected: dict = {}  # the address this process joined, and whether it started the cluster
+_connected: dict = {}
+_groups = itertools.count()
+RESERVE_TIMEOUT_S = 60.0  # the address this process joined, and whether it started the cluster
 
 
 def require_ray():
@@ -64,6 +68,29 @@ def _cluster_running() -> bool:
         return True
 
 
+def reserve(placements: list[RayPlacement]) -> list[RayPlacement]:
+    """One placement group with a bundle for each placement, laid out by their
+    strategy; the placements, each now naming its bundle. The group lives as
+    long as this process's Ray job (Ray removes it when the driver exits)."""
+    strategy = next((p.strategy for p in placements if p.strategy), None)
+    if strategy is None:
+        return placements
+    ray = connect(placements[0])
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    name = f"hetero-sd-{os.getpid()}-{next(_groups)}"
+    bundles = [bundle_of(p) for p in placements]
+    group = placement_group(bundles, strategy=strategy, name=name)
+    ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        raise ConfigError(f"ray.strategy {strategy}: the cluster cannot place bundles {bundles} that way within "
+                          f"{RESERVE_TIMEOUT_S:g} s ({len(nodes)} live nodes offering "
+                          f"{[_offered(n) for n in nodes]})")
+    return [dataclasses.replace(p, group=name, bundle=i) for i, p in enumerate(placements)]
+
+
 def actor_options(placement: RayPlacement) -> dict:
     """`.options(...)` for an actor placed where `placement` says. No restarts:
     a restarted actor has lost its KV and draft state; the engine replaces it."""
@@ -76,6 +103,12 @@ def actor_options(placement: RayPlacement) -> dict:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(placement.node_id, soft=False)
+    if placement.group:
+        from ray.util import get_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            get_placement_group(placement.group), placement_group_bundle_index=placement.bundle)
     return opts
 
 
@@ -84,15 +117,21 @@ def check_placeable(placement: RayPlacement, what: str) -> None:
     ray = connect(placement)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     fits = [n for n in nodes if _fits(n, placement)]
-    if fits:
+    if fits or placement.group:  # a reserved bundle: reserve() checked the cluster can hold it
         return
-    offered = sorted({k for n in nodes for k in n.get("Resources", {}) if not k.startswith("node:")})
+    offered = sorted({k for n in nodes for k in _offered(n)})
     labels = sorted({f"{k}={v}" for n in nodes for k, v in (n.get("Labels") or {}).items()
                      if not k.startswith("ray.io/")})
     raise ConfigError(f"{what}: no live node of the Ray cluster offers {placement.label} "
                       f"(num_cpus {placement.num_cpus:g}, num_gpus {placement.num_gpus:g}); "
                       f"resources offered: {', '.join(offered) or 'none'}; node labels: {', '.join(labels) or 'none'}; "
                       f"nodes: {', '.join(n['NodeID'][:8] for n in nodes)}")
+
+
+def _offered(node: dict) -> dict:
+    """A node's schedulable resources, without Ray's own bookkeeping entries."""
+    return {k: v for k, v in node.get("Resources", {}).items()
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
 
 
 def _fits(node: dict, p: RayPlacement) -> bool:
@@ -120,5 +159,5 @@ def where_actor(actor) -> str:
         return "a Ray actor"
 
 
-__all__ = ["actor_failure", "actor_options", "check_placeable", "connect", "require_ray",
+__all__ = ["actor_failure", "actor_options", "check_placeable", "connect", "require_ray", "reserve",
            "where_actor"]

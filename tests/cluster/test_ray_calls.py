@@ -72,18 +72,25 @@ def test_a_placement_no_node_offers_names_what_is_there(ray_cluster, spec):
         assert word in message, (word, message)
 
 
-def test_explain_shows_the_cross_node_placement_and_its_link(ray_cluster, tiny_model_dir, tmp_path):
+def test_explain_and_profile_show_the_cross_node_placement_and_its_link(ray_cluster, tiny_model_dir, tmp_path):
     config = tmp_path / "ray.yaml"
     config.write_text(f"""
 target: {{model: {tiny_model_dir('llama')}, process: ray, ray: {{resources: {{target_node: 1}}}}}}
 drafter: {{kind: model, k: 4, process: ray, threads: 1, ray: {{resources: {{draft_node: 1}}}}}}
 generation: {{max_new_tokens: 12, chat_template: false}}
 """)
-    out = subprocess.run([sys.executable, "-m", "hetero_sd.cli", "generate", "--config", str(config),
-                          "--prompt", "hello", "--explain"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    err = out.stderr
+    generate = subprocess.run([sys.executable, "-m", "hetero_sd.cli", "generate", "--config", str(config),
+                               "--prompt", "hello", "--explain"], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+    assert generate.returncode == 0, generate.stderr[-3000:]
+    profile = subprocess.run([sys.executable, "-m", "hetero_sd.cli", "profile", "--config", str(config)],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert profile.returncode == 0, profile.stderr[-3000:]
+    for err in (generate.stderr, profile.stdout):
+        _check_explained(err)
+
+
+def _check_explained(err: str) -> None:
     for words in ("placement: manual, on the Ray cluster", "3 live nodes", "target: torch:cpu",
                   "ray[target_node=1]", "ray[draft_node=1]", "another node than the target",
                   "link engine <-> drafter: control record p50", "5 x vocab probability block p50",

@@ -30,6 +30,9 @@ def _load(tmp_path, text: str):
     ("target: {process: ray, ray: {address: 'a:6379'}}\ndrafter: {kind: model, process: ray, ray: {address: 'b:6379'}}",
      ["a:6379", "b:6379", "one Ray cluster"]),
     ("drafter: {kind: model, stages: [{process: ray}], process: ray}", ["drafter.process: ray", "drafter.stages.0"]),
+    ("target: {process: ray, ray: {strategy: STRICT_SPREAD}}\ndrafter: {kind: model, process: ray, ray: {labels: {a: b}}}",
+     ["drafter.ray.labels", "placement group", "resources, num_cpus and num_gpus"]),
+    ("target: {process: ray, ray: {strategy: SPREAD_OUT}}", ["target.ray.strategy", "STRICT_SPREAD"]),
 ])
 def test_bad_ray_keys_name_the_key(tmp_path, text, words):
     with pytest.raises(ConfigError) as err:

@@ -194,3 +194,64 @@ def test_target_node_death_moves_the_target_to_the_spare(ray_cluster, model, loc
         built["drafter"].close()
         engine.target.close()
         ray_cluster.revive("target")
+
+
+def test_a_strict_spread_group_puts_target_and_draft_on_two_nodes(ray_cluster, model, local, tmp_path):
+    import ray
+
+    config = tmp_path / "spread.yaml"  # no resources named: the strategy alone separates them
+    config.write_text(f"""
+target: {{model: {model}, precision: fp32, process: ray, ray: {{strategy: STRICT_SPREAD}}}}
+drafter: {{kind: model, {NEAR_YAML}, k: 4, process: ray, threads: 1, timeout_s: 30}}
+""")
+    built = engine_arguments(load_config(config))
+    try:
+        target_node = ray.get(built["target"].actor.where.remote()).split()[1]
+        draft_node = ray.get(built["drafter"]._w.actor.node_id.remote())[:8]
+        assert target_node != draft_node
+        assert "STRICT_SPREAD bundle 1" in built["drafter"].placement.label
+        for prompt, new in PROMPTS:
+            assert engine_from(built, k=4).generate_ids(prompt, new).token_ids == expected(local, prompt, new)
+    finally:
+        built["drafter"].close()
+        built["target"].close()
+
+
+def test_a_group_the_cluster_cannot_hold_is_a_clear_error(ray_cluster, model, tmp_path, monkeypatch):
+    from hetero_sd.cluster import ray_env
+    from hetero_sd.errors import ConfigError
+
+    monkeypatch.setattr(ray_env, "RESERVE_TIMEOUT_S", 3.0)
+    config = tmp_path / "pack.yaml"  # the two resources live on two different nodes
+    config.write_text(f"""
+target: {{model: {model}, process: ray, ray: {{strategy: STRICT_PACK, resources: {{target_node: 1}}}}}}
+drafter: {{kind: ngram, process: ray, ray: {{resources: {{draft_node: 1}}}}}}
+""")
+    with pytest.raises(ConfigError) as err:
+        engine_arguments(load_config(config))
+    for words in ("ray.strategy STRICT_PACK", "cannot place bundles", "target_node", "draft_node", "3 live nodes"):
+        assert words in str(err.value), (words, str(err.value))
+
+
+@pytest.mark.parametrize("drafter", [
+    "{kind: ngram, min_ngram: 1, max_ngram: 3, k: 4, process: ray, ray: {resources: {draft_node: 1}}}",
+    "{kind: ngram, k: 4, stages: [{model: MODEL, NEAR, k: 3, process: ray, threads: 1, timeout_s: 30, "
+    "ray: {resources: {draft_node: 1}}}]}",
+])
+def test_an_ngram_drafter_and_a_cascade_stage_on_the_draft_node(ray_cluster, model, local, tmp_path, drafter):
+    config = tmp_path / "kinds.yaml"
+    config.write_text(f"target: {{model: {model}, precision: fp32}}\n"
+                      f"drafter: {drafter.replace('MODEL', str(model)).replace('NEAR', NEAR_YAML)}\n")
+    built = engine_arguments(load_config(config))
+    try:
+        import ray
+
+        assert ray.get(built["drafter"]._w.actor.node_id.remote()) == ray_cluster.node_id("draft")
+        drafted = 0
+        for prompt, new in PROMPTS:
+            got = engine_from(built, k=4).generate_ids(prompt + prompt, new)  # repeats: n-gram matches
+            assert got.token_ids == expected(local, prompt + prompt, new) and got.stats.events == []
+            drafted += got.stats.drafted
+        assert drafted > 0
+    finally:
+        built["drafter"].close()
