@@ -22,7 +22,7 @@ from hetero_sd.drafting.specs import model_specs
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading import Loader
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
-from hetero_sd.spec import EngineSpec, reserve_places, spec_from_config
+from hetero_sd.spec import EngineSpec, ray_worker, release_places, reserve_places, spec_from_config
 
 
 @dataclass
@@ -36,8 +36,8 @@ class Built:
 def build(spec: EngineSpec, load: Loader) -> Built:
     models = list(model_specs(spec.drafter))
     # Backends and devices of models that load on another node are checked there, at load.
-    here = ([] if spec.target_ray else [spec.target]) + \
-        ([] if getattr(spec.drafter, "transport", None) == "ray" else models)
+    remote = set(model_specs(ray_worker(spec.drafter)))
+    here = ([] if spec.target_ray else [spec.target]) + [m for m in models if m not in remote]
     for model in here:
         load.check(model)
     target_ir = load.ir(spec.target.model)
@@ -46,15 +46,18 @@ def build(spec: EngineSpec, load: Loader) -> Built:
         if Path(model.model).resolve() != target_ir.source.resolve():
             _check_same_tokenizer(tokenizer, load.tokenizer(model.model), model.model)
     spec = reserve_places(spec)  # a Ray placement group, when the config asks for one
-    drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
+    drafter = target = None
     try:
+        drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
         split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs
         target = load_target(spec, load)
         if drafter is not None:
             drafter.wait_ready()
     except BaseException:
-        if drafter is not None:
-            drafter.close()
+        for part in (drafter, target):
+            if part is not None and hasattr(part, "close"):  # workers, Ray actors
+                part.close()
+        release_places(spec)
         raise
     eos = set(target_ir.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hetero_sd.cluster.sections import RaySection, TargetRaySection, check_ray
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
 
@@ -24,38 +25,6 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RayNode(_Section):
-    """Which node of a Ray cluster an actor goes to: one offering these Ray
-    resources (`ray start --resources`), carrying these labels (`ray start
-    --labels`), or with this node id; and what the actor reserves there."""
-
-    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
-    node_id: str | None = None
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-
-
-class RaySection(RayNode):
-    """process: ray. The cluster to join and where on it (hetero_sd/cluster)."""
-
-    # "auto": RAY_ADDRESS or the head started on this host; or "HOST:6379"; or "ray://HOST:10001"
-    address: str = "auto"
-    start_local: bool = False  # no cluster at `address`: start a one-machine cluster here
-    namespace: str = "hetero-sd"
-    # Reserve the target's and the drafters' places together, as one Ray placement group:
-    # STRICT_SPREAD (each on its own node), SPREAD, PACK, STRICT_PACK (all on one node).
-    # Places are then chosen by resources, num_cpus and num_gpus (not labels or node_id).
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
-
-
-class TargetRaySection(RaySection):
-    timeout_s: Annotated[float, Field(gt=0)] = 60.0  # a slower target call means a hung actor
-    # Spare placements, in order: where the target moves (its sequences replayed) when
-    # its node or actor dies. Each loads only when it is needed.
-    fallback: list[RayNode] = Field(default_factory=list)
 
 
 class ModelPlacement(_Section):
@@ -337,7 +306,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
                           f"drafter.kind: model (kind is {cfg.drafter.kind!r})")
     _check_workers(cfg, path)
-    _check_target(cfg, path)
+    check_ray(cfg, path)
     cfg.generation.constraint_spec(str(path))  # a bad grammar fails now, naming the file and key
     return cfg
 
@@ -383,24 +352,3 @@ def _check_process_keys(level, key: str, path: Path) -> None:
             if name in given:
                 raise ConfigError(f"{path}: {key}.{name} applies to a local worker process; a Ray actor is "
                                   f"reached through Ray on its own node (remove {name}, or set process: worker)")
-
-
-def _check_target(cfg: Config, path: Path) -> None:
-    t = cfg.target
-    if "ray" in t.model_fields_set and t.process != "ray":
-        raise ConfigError(f"{path}: target.ray places the target in a Ray actor; it needs target.process: ray")
-    if t.process == "ray" and cfg.placement == "auto":
-        raise ConfigError(f"{path}: target.process: ray needs placement: manual (the splitter plans one host)")
-    rays = [(key, s.ray) for key, s in (("target", t), ("drafter", cfg.drafter),
-                                         *((f"drafter.stages.{i}", s) for i, s in enumerate(cfg.drafter.stages)))
-            if s.process == "ray" and s.ray is not None]
-    if any(r.strategy for _, r in rays):
-        for key, r in rays:
-            pinned = [n for n in ("labels", "node_id") if n in r.model_fields_set]
-            if pinned:
-                raise ConfigError(f"{path}: {key}.ray.{pinned[0]} cannot place an actor inside a placement "
-                                  "group (ray.strategy): bundles are matched by resources, num_cpus and num_gpus")
-    addresses = {r.address for _, r in rays if r.address != "auto"}
-    if len(addresses) > 1:
-        raise ConfigError(f"{path}: the ray sections name different clusters ({', '.join(sorted(addresses))}); "
-                          "one engine joins one Ray cluster")

@@ -98,8 +98,12 @@ class Engine:
         return cls(**engine_arguments(cfg, progress=progress, target_only=target_only))
 
     def close(self) -> None:
-        """Stop worker processes the drafter holds (also done when the process exits)."""
+        """Stop worker processes the drafter holds, and a target in a Ray actor (also
+        done when the process exits)."""
         self._drafter.close()
+        close = getattr(self.target, "close", None)  # local runners have none: their memory is this process's
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------ text API
     def encode(self, prompt: str, chat_template: bool | None = None) -> list[int]:

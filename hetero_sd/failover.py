@@ -257,6 +257,7 @@ class FailoverRunner:
         for seq_id, new_id in inner.items():
             self._seqs[seq_id].inner = new_id
         self.current = replacement
+        _close(original)
         replayed = sum(len(s.tokens) for s in self._seqs.values())
         self.events.append(f"target moved to {where(replacement)}; {replayed} positions replayed")
 
@@ -268,6 +269,15 @@ class FailoverRunner:
         if len(s.tokens) > s.first:
             runner.forward(new, s.tokens[s.first:], s.first, len(s.tokens) - s.first)
         return new
+
+
+def _close(runner) -> None:
+    """Free what a failed runner still holds elsewhere (a Ray actor still alive after a
+    transient error); local runners have no close."""
+    try:
+        getattr(runner, "close", lambda: None)()
+    except Exception:
+        pass
 
 
 class FailoverDrafter(Drafter):

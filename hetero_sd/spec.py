@@ -100,7 +100,7 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
 def ray_placement(section, cluster: dict) -> RayPlacement:
     """A config's ray section (None: the defaults) as the spec tree's RayPlacement,
     with the cluster keys every section shares (`cluster_keys`)."""
-    from hetero_sd.config import RaySection
+    from hetero_sd.cluster.sections import RaySection
 
     section = section or RaySection()
     timeout = getattr(section, "timeout_s", RayPlacement.timeout_s)
@@ -116,7 +116,7 @@ def ray_placement(section, cluster: dict) -> RayPlacement:
 def reserve_places(spec: EngineSpec) -> EngineSpec:
     """With a ray strategy: the target's and the drafter's Ray placements reserved
     together as one placement group (cluster.ray_env.reserve); else `spec` as is."""
-    worker = _ray_worker(spec.drafter)
+    worker = ray_worker(spec.drafter)
     placements = ([spec.target_ray] if spec.target_ray else []) + ([worker.ray] if worker else [])
     if not any(p.strategy for p in placements):
         return spec
@@ -128,11 +128,21 @@ def reserve_places(spec: EngineSpec) -> EngineSpec:
     return dataclasses.replace(spec, target_ray=target_ray, drafter=drafter)
 
 
-def _ray_worker(d) -> WorkerSpec | None:
+def ray_worker(d) -> WorkerSpec | None:
     """The drafter tree's Ray worker (one at most: load_config allows one worker level)."""
     if isinstance(d, WorkerSpec):
         return d if d.transport == "ray" else None
-    return _ray_worker(d.inner) if isinstance(d, CascadeSpec) else None
+    return ray_worker(d.inner) if isinstance(d, CascadeSpec) else None
+
+
+def release_places(spec: EngineSpec) -> None:
+    """Give back the placement group reserve_places made (after a failed build)."""
+    worker = ray_worker(spec.drafter)
+    for placement in ([spec.target_ray] if spec.target_ray else []) + ([worker.ray] if worker else []):
+        if placement.group:
+            from hetero_sd.cluster.ray_env import release_group
+
+            release_group(placement.group)
 
 
 def _with_worker(d, placement: RayPlacement):
@@ -143,14 +153,14 @@ def _with_worker(d, placement: RayPlacement):
 
 def cluster_keys(cfg: Config) -> dict:
     """address, start_local, namespace and strategy: one engine joins one cluster
-    (and reserves one placement group), so a key set
-    in any ray section holds for all (load_config refuses two different addresses)."""
+    (and reserves one placement group), so a key set in any ray section holds for
+    all (load_config refuses two sections that set one differently)."""
+    from hetero_sd.cluster.sections import CLUSTER_KEYS, RaySection
+
     sections = [s.ray for s in (cfg.target, cfg.drafter, *cfg.drafter.stages) if s.process == "ray" and s.ray]
-    out = {"address": "auto", "start_local": False, "namespace": "hetero-sd", "strategy": None}
+    out = {key: RaySection.model_fields[key].default for key in CLUSTER_KEYS}
     for section in sections:
-        for key in out:
-            if key in section.model_fields_set and getattr(section, key) != out[key]:
-                out[key] = getattr(section, key)
+        out.update({key: getattr(section, key) for key in CLUSTER_KEYS if key in section.model_fields_set})
     return out
 
 

@@ -96,8 +96,8 @@ ALLOCATE, FORWARD, GREEDY, TRUNCATE, RELEASE, LENGTH, FEATURES, COPY_PREFIX = ra
 class RunnerCall(_Record):
     """One call of a Runner that lives in another process (a Ray actor,
     hetero_sd/cluster). `start` is the committed length the call starts at
-    (ALLOCATE: the capacity; TRUNCATE, COPY_PREFIX: the length), so a call
-    re-sent after a reconnect rewrites the same positions and never commits
+    (ALLOCATE: the capacity; TRUNCATE, COPY_PREFIX: the length), so a FORWARD
+    or GREEDY executed twice rewrites the same positions and never commits
     twice. COPY_PREFIX copies seq_id's prefix into sequence `num_logits`."""
 
     KIND = 5

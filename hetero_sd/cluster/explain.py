@@ -25,7 +25,8 @@ def ray_parts(engine) -> tuple[object | None, object | None]:
     """(target RayRunner or None, RemoteDrafter over Ray or None)."""
     target = engine.target if hasattr(engine.target, "placement") and hasattr(engine.target, "actor") else None
     drafter = engine.drafter
-    drafter = drafter if getattr(drafter, "transport", None) == "ray" else None
+    while drafter is not None and getattr(drafter, "transport", None) != "ray":
+        drafter = getattr(drafter, "inner", None)  # a cascade's inner drafter may be the Ray worker
     return target, drafter
 
 
@@ -64,8 +65,9 @@ def explain_cluster(engine, k: int, sampled: bool) -> str | None:
 
     per_round = tokens_per_round(ASSUMED_ALPHA, k)
     rates = {"target alone": 1.0 / model.seconds(0),
-             f"draft across the link, sync, k={k}": per_round / model.seconds(k),
-             f"draft across the link, async, k={k}": per_round / model.seconds_ahead(ASSUMED_ALPHA, k)}
+             f"draft across the link, sync, k={k}": per_round / model.seconds(k)}
+    if not sampled:  # a sampled request drafts on request only: nothing is drafted ahead
+        rates[f"draft across the link, async, k={k}"] = per_round / model.seconds_ahead(ASSUMED_ALPHA, k)
     lines.append(f"  measured: D({k}) = {d * 1e3:.2f} ms drafting, V({k + 1}) = {v * 1e3:.2f} ms, "
                  f"V(1) = {v1 * 1e3:.2f} ms verifying, link {link * 1e3:.2f} ms per round "
                  f"({'with' if sampled else 'without'} distributions)")
@@ -75,16 +77,19 @@ def explain_cluster(engine, k: int, sampled: bool) -> str | None:
         lines.append(f"    {rate:8.1f} tokens/s  {name}")
     best = max(rates, key=rates.get)
     share = link / model.seconds(k)
-    lines.append(f"  advice: {best} is predicted fastest; the link is {share:.0%} of a sync round" +
-                 ("; with a link this slow, draft ahead (mode: async) or on the target's node"
-                  if share > 0.2 else ""))
+    slow = ""
+    if share > 0.2:
+        slow = ("; with a link this slow, draft on the target's node (process: worker)" if sampled or
+                drafter.mode == "async" else "; with a link this slow, draft ahead (mode: async) or on the "
+                "target's node (process: worker)")
+    lines.append(f"  advice: {best} is predicted fastest; the link is {share:.0%} of a sync round{slow}")
     return "\n".join(lines)
 
 
 def _node(actor) -> str:
     import ray
 
-    return ray.get(actor.where.remote()).split()[1]
+    return ray.get(actor.where.remote(), timeout=60).split()[1]
 
 
 def _driver_node() -> str:

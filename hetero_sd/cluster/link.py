@@ -61,11 +61,11 @@ def measure_link(actor, vocab: int, probes: int = 30) -> LinkCost:
 
     record = DraftRequest(0, 0, BLOCK_ROWS, list(range(16))).pack()
     times: dict[int, list[float]] = {0: [], BLOCK_ROWS: []}
-    ray.get(actor.probe.remote(record, BLOCK_ROWS, vocab))  # warm: the block is made once
+    ray.get(actor.probe.remote(record, BLOCK_ROWS, vocab), timeout=60)  # warm: the block is made once
     for _ in range(probes):
         for rows, got in times.items():
             t0 = time.perf_counter()
-            ray.get(actor.probe.remote(record, rows, vocab))
+            ray.get(actor.probe.remote(record, rows, vocab), timeout=60)
             got.append(time.perf_counter() - t0)
     c, b = times[0], times[BLOCK_ROWS]
     return LinkCost(percentile(c, 50), percentile(c, 99), percentile(b, 50), percentile(b, 99), probes)

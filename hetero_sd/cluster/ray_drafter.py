@@ -19,12 +19,17 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from hetero_sd.cluster.link import probe_reply
 from hetero_sd.cluster.placement import RayPlacement
 from hetero_sd.cluster.ray_env import actor_failure, actor_options, check_placeable, connect
 from hetero_sd.drafting.wire import encode_reply
 from hetero_sd.transport.base import Transport
 from hetero_sd.transport.errors import PeerClosed, TransportError, TransportTimeout
+
+
+FETCH_TIMEOUT_S = 60.0  # a reply whose frame is ready but whose distributions do not arrive
 
 
 class _Beside:
@@ -48,7 +53,6 @@ class DrafterActor:
         self.handler = worker.Handler(_Beside, drafter, error, options, spec)
         self.cond = threading.Condition()
         self.waiting = 0  # calls waiting for the lock: the ahead thread lets them in first
-        self.stopped = False
         threading.Thread(target=self._ahead, daemon=True, name="hsd-ahead").start()
 
     def call(self, msg: bytes):
@@ -58,16 +62,16 @@ class DrafterActor:
             reply = self.handler.reply(msg)
             self.cond.notify()
         probs, reply.probs = reply.probs, None
+        if probs is not None:  # the wire's type, as encode_reply makes it for the other transports
+            probs = np.ascontiguousarray(probs, dtype=np.float64)
         return encode_reply(_Beside, reply), probs
 
     def _ahead(self) -> None:
         while True:
             while self.waiting:
                 time.sleep(1e-4)
-            with self.cond:
-                self.cond.wait_for(lambda: self.stopped or self.handler.has_work)
-                if self.stopped:
-                    return
+            with self.cond:  # a daemon thread: it ends with the actor's process
+                self.cond.wait_for(lambda: self.handler.has_work)
                 self.handler.work_ahead()
 
     def where(self) -> str:
@@ -115,13 +119,15 @@ class RayChannel(Transport):
         if not ready:
             raise TransportTimeout(f"no reply within {timeout:.3g} s")
         self._pending.popleft()
-        try:
-            frame, self._side = self.ray.get([frame_ref, probs_ref])
-        except Exception as exc:
-            if not actor_failure(exc):
-                raise
+        try:  # the distributions may still be crossing from another node: a bound of their own
+            frame, self._side = self.ray.get([frame_ref, probs_ref], timeout=FETCH_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            self.dead = True  # a call is lost half-read: this channel cannot go on
+            raise TransportTimeout(f"the reply's distributions did not arrive within {FETCH_TIMEOUT_S:g} s") from None
+        except self.ray.exceptions.RayError as exc:  # the actor, its node or the object is gone
             self.dead = True
-            raise PeerClosed(f"the drafter's Ray actor died: {type(exc).__name__}: {str(exc)[:300]}") from None
+            what = "died" if actor_failure(exc) else "lost its reply"
+            raise PeerClosed(f"the drafter's Ray actor {what}: {type(exc).__name__}: {str(exc)[:500]}") from None
         return frame
 
     def take_tensor(self):

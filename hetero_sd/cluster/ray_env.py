@@ -16,7 +16,7 @@ from hetero_sd.cluster.placement import RayPlacement, bundle_of
 from hetero_sd.errors import ConfigError
 
 _INSTALL = "pip install 'hetero-sd[ray]' (or: pip install ray)"
-_connected: dict = {}
+_connected: dict = {}  # the address this process joined
 _groups = itertools.count()
 RESERVE_TIMEOUT_S = 60.0  # the address this process joined, and whether it started the cluster
 
@@ -52,7 +52,7 @@ def connect(placement: RayPlacement):
             "one's own machines), set RAY_AUTH_MODE=token here and give this machine the head's token "
             "(~/.ray/auth_token, or RAY_AUTH_TOKEN; `ray get-auth-token` on the head prints it)")
         raise ConfigError(f"ray.address {placement.address!r}: cannot join the Ray cluster: {exc}{auth}") from None
-    _connected.update(address=placement.address, started=address is None)
+    _connected.update(address=placement.address)
     return ray
 
 
@@ -80,6 +80,9 @@ def reserve(placements: list[RayPlacement]) -> list[RayPlacement]:
 
     name = f"hetero-sd-{os.getpid()}-{next(_groups)}"
     bundles = [bundle_of(p) for p in placements]
+    if not all(bundles):
+        raise ConfigError(f"ray.strategy {strategy}: every actor in a placement group must reserve something "
+                          "(num_cpus, num_gpus or resources above 0)")
     group = placement_group(bundles, strategy=strategy, name=name)
     ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
     if not ready:
@@ -89,6 +92,20 @@ def reserve(placements: list[RayPlacement]) -> list[RayPlacement]:
                           f"{RESERVE_TIMEOUT_S:g} s ({len(nodes)} live nodes offering "
                           f"{[_offered(n) for n in nodes]})")
     return [dataclasses.replace(p, group=name, bundle=i) for i, p in enumerate(placements)]
+
+
+def release_group(name: str) -> None:
+    """Remove a placement group reserve() made (its actors go with it); idempotent."""
+    import ray
+    from ray.util import get_placement_group
+    from ray.util.placement_group import remove_placement_group
+
+    if not ray.is_initialized():
+        return
+    try:
+        remove_placement_group(get_placement_group(name))
+    except Exception:  # already removed, or the cluster is gone
+        pass
 
 
 def actor_options(placement: RayPlacement) -> dict:
@@ -151,13 +168,4 @@ def actor_failure(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
-def where_actor(actor) -> str:
-    """'node 1a2b3c4d (127.0.0.1) pid 123' for logs and events; best effort."""
-    try:
-        return require_ray().get(actor.where.remote(), timeout=10)
-    except Exception:
-        return "a Ray actor"
-
-
-__all__ = ["actor_failure", "actor_options", "check_placeable", "connect", "require_ray", "reserve",
-           "where_actor"]
+__all__ = ["actor_failure", "actor_options", "check_placeable", "connect", "release_group", "require_ray", "reserve"]

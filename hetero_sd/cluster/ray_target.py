@@ -6,9 +6,10 @@
 RayRunner is a Runner (backends.base) whose calls are RunnerCall records
 (ir/work.py) sent to a TargetActor, which holds the real runner, loaded on
 its node by the same Loader as a local target. Logits, argmax ids and hidden
-states come back as numpy arrays through Ray's object store. Every call
+states come back as numpy arrays through Ray's object store. Every forward
 carries the committed length it starts at and the actor rolls its sequence
-back to it first, so a call re-sent after a reconnect cannot commit twice.
+back to it first, so a round executed twice leaves the same cache and the
+same length (a retried call cannot commit twice).
 
 A dead actor or node, or a call past `timeout_s`, raises BackendError: the
 engine's FailoverRunner then builds the next placement's runner and replays
@@ -55,7 +56,7 @@ class TargetActor:
     def call(self, record: bytes):
         c, r = RunnerCall.unpack(record), self.runner
         if c.op in (FORWARD, GREEDY):
-            if r.length(c.seq_id) > c.start:  # a re-sent call: roll back to where it starts
+            if r.length(c.seq_id) > c.start:  # executed again: roll back to where it starts
                 r.truncate(c.seq_id, c.start)
             method = r.forward if c.op == FORWARD else r.greedy
             return method(c.seq_id, c.tokens, c.start, c.num_logits)
@@ -134,11 +135,13 @@ class RayRunner:
             raise BackendError(f"the target's Ray actor on {self.placement.label} did not answer within "
                                f"{timeout:g} s; it was stopped") from None
         except Exception as exc:
-            if actor_failure(exc):
-                raise BackendError(f"the target's Ray actor on {self.placement.label} died: "
-                                   f"{type(exc).__name__}: {str(exc)[:300]}") from None
             cause = getattr(exc, "cause", None)  # a RayTaskError: the runner's own exception
-            raise (cause if isinstance(cause, Exception) else exc) from None
+            if not actor_failure(exc) and isinstance(cause, Exception):
+                raise cause from None
+            self.close()  # the actor may outlive a lost object or a transient error: stop it
+            what = "died" if actor_failure(exc) else "failed"
+            raise BackendError(f"the target's Ray actor on {self.placement.label} {what}: "
+                               f"{type(exc).__name__}: {str(exc)[:500]}") from None
 
     def _call(self, op: int, seq_id: int = 0, tokens=(), start: int = 0, num_logits: int = 0):
         record = RunnerCall(op, seq_id, start, num_logits, [int(t) for t in tokens]).pack()
@@ -175,10 +178,16 @@ class RayRunner:
         return self._get(self.actor.usage.remote(), self.timeout_s)
 
     def close(self) -> None:
+        """Stop the actor (its model's memory goes with it), and give back a placement
+        group it was placed in. Idempotent."""
         try:
             self.ray.kill(self.actor, no_restart=True)
         except Exception:  # gone with its node
             pass
+        if self.placement.group:
+            from hetero_sd.cluster.ray_env import release_group
+
+            release_group(self.placement.group)
 
 
 def spare_targets(spec, placement: RayPlacement):

@@ -174,7 +174,7 @@ class RemoteDrafter(Drafter):
 
     def start(self) -> None:
         """Start a worker (returns at once; wait_ready() waits for its model)."""
-        self.close()
+        self._stop_worker()
         if self.transport == "ray":  # an actor, possibly on another machine
             from hetero_sd.cluster import RayPlacement
             from hetero_sd.cluster.ray_drafter import RayWorker
@@ -205,7 +205,15 @@ class RemoteDrafter(Drafter):
         self._ready, self._failed_starts = True, 0
 
     def close(self) -> None:
-        """Stop the worker (closing the channel unlinks its segment). Idempotent."""
+        """Stop the worker (closing the channel unlinks its segment), and give back a
+        Ray placement group it was placed in. Idempotent."""
+        self._stop_worker()
+        if self.placement is not None and self.placement.group:
+            from hetero_sd.cluster.ray_env import release_group
+
+            release_group(self.placement.group)
+
+    def _stop_worker(self) -> None:
         if self._w is not None:
             w, self._w = self._w, None
             w.stop()

@@ -33,6 +33,11 @@ def _load(tmp_path, text: str):
     ("target: {process: ray, ray: {strategy: STRICT_SPREAD}}\ndrafter: {kind: model, process: ray, ray: {labels: {a: b}}}",
      ["drafter.ray.labels", "placement group", "resources, num_cpus and num_gpus"]),
     ("target: {process: ray, ray: {strategy: SPREAD_OUT}}", ["target.ray.strategy", "STRICT_SPREAD"]),
+    ("target: {process: ray, ray: {namespace: a}}\ndrafter: {kind: model, process: ray, ray: {namespace: b}}",
+     ["ray.namespace differs between drafter and target", "set it once"]),
+    ("target: {process: ray, ray: {start_local: true, address: 'h:6379'}}", ["target.ray.start_local", "h:6379"]),
+    ("target: {device: 'cuda:0', process: ray}", ["target.device: cuda:0", "target.ray.num_gpus"]),
+    ("target: {device: 'cuda:1', process: ray, ray: {num_gpus: 1}}", ["target.device: cuda:1", "use cuda:0"]),
 ])
 def test_bad_ray_keys_name_the_key(tmp_path, text, words):
     with pytest.raises(ConfigError) as err:

@@ -22,7 +22,9 @@ def ray_processes() -> list[psutil.Process]:
 def ray_daemons() -> set[int]:
     """Every raylet and GCS server on this host (ours or not)."""
     out = set()
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: not running
+            continue
         text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
         if "raylet" in text or "gcs_server" in text:
             out.add(proc.pid)
