@@ -6,7 +6,6 @@ points, its node killed, and the target's node killed with a spare placement:
 the output never changes and the event is in stats.events."""
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.engine import Engine
 from hetero_sd.ir import load_model_ir
 from hetero_sd.sampling import SamplingParams
-from helpers.drafters import KillAt, ProxyDrafter
+from helpers.drafters import ProxyDrafter, kill_at_random_points
 from helpers.near import YAML as NEAR_YAML, near_spec
 from helpers.tiny_models import random_prompt
 
@@ -128,16 +127,7 @@ def test_drafter_actor_killed_at_random_points(ray_cluster, model, local):
     drafter = RemoteDrafter(near_spec(model, BUDGET), local.vocab_size, entry=worker_entry(), transport="ray",
                             ray=DRAFT_NODE, timeout_s=30, threads=1)
     try:
-        prompt, new = random_prompt(10, seed=21), 40
-        counter = KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
-        want = Engine(local, counter, k=3).generate_ids(prompt, new).token_ids
-        assert want == expected(local, prompt, new) and counter.calls > 2
-        rng = random.Random(17)
-        for run in range(10):  # a later draft call always follows, and sees the death
-            killer = KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
-            got = Engine(local, killer, k=3).generate_ids(prompt, new)
-            assert got.token_ids == want, f"run {run}: output changed after the actor was killed"
-            assert any("failed" in e for e in got.stats.events), (run, got.stats.events)
+        kill_at_random_points(local, drafter, 10, seed=17)
         assert drafter.stats.failures == 10
     finally:
         drafter.close()

@@ -25,7 +25,7 @@ from hetero_sd.drafting.specs import ModelSpec, NgramSpec
 from hetero_sd.drafting.worker import Lookahead
 from hetero_sd.drafting.wire import AHEAD, FRESH
 from hetero_sd.drafting.remote import RemoteDrafter
-from helpers.drafters import KillAt, ProxyDrafter
+from helpers.drafters import ProxyDrafter, kill_at_random_points
 from helpers.near import YAML as NEAR_YAML, near_spec
 from helpers.tiny_models import random_prompt
 from helpers.workers import FaultSpec, remote as make_remote
@@ -223,17 +223,11 @@ def test_kill_9_at_random_points(target, paths, remote, mode):
     """20 runs, each with the worker SIGKILLed at a random draft call: every
     output equals the undisturbed run, and no segment outlives its worker."""
     drafter = remote(near_spec(paths["target"], BUDGET), transport="shm", mode=mode)
-    prompt, new = random_prompt(10, seed=21), 40
-    counter = KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
-    want = Engine(target, counter, k=3).generate_ids(prompt, new).token_ids
-    assert want == expected(target, prompt, new) and counter.calls > 2
-    rng = random.Random(1234)
-    for run in range(20):  # a later draft call always follows, and sees the death
-        killer = KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
-        got = Engine(target, killer, k=3).generate_ids(prompt, new)
-        assert got.token_ids == want, f"run {run}: output changed after kill -9"
-        assert any("failed" in e for e in got.stats.events), (run, got.stats.events)
-        assert len(our_segments()) <= 1  # only a live worker's channel
+
+    def only_a_live_workers_channel():
+        assert len(our_segments()) <= 1
+
+    kill_at_random_points(target, drafter, 20, seed=1234, after_run=only_a_live_workers_channel)
     drafter.begin(64)
     drafter.reset()
     assert drafter.stats.starts == 21  # every killed worker was replaced at the next request
