@@ -103,12 +103,13 @@ def ray_placement(section, cluster: dict) -> RayPlacement:
     from hetero_sd.cluster.sections import RaySection
 
     section = section or RaySection()
-    timeout = getattr(section, "timeout_s", RayPlacement.timeout_s)
+    timeouts = {name: getattr(section, name, getattr(RayPlacement, name))
+                for name in ("timeout_s", "prefill_timeout_s")}
 
     def node(n) -> RayPlacement:
         return RayPlacement(**cluster, resources=tuple(sorted(n.resources.items())),
                             labels=tuple(sorted(n.labels.items())), node_id=n.node_id, num_cpus=n.num_cpus,
-                            num_gpus=n.num_gpus, timeout_s=timeout)
+                            num_gpus=n.num_gpus, **timeouts)
 
     return dataclasses.replace(node(section), fallback=tuple(node(n) for n in getattr(section, "fallback", ())))
 

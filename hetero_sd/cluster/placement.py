@@ -21,6 +21,7 @@ class RayPlacement:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     timeout_s: float = 60.0  # a target call slower than this means a hung actor (drafters: timeout_s)
+    prefill_timeout_s: float = 600.0  # the same for calls longer than a verify (prefills, failover replays)
     fallback: tuple["RayPlacement", ...] = ()
     # One placement group for the engine's actors (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD);
     # once reserved (ray_env.reserve), `group` names it and `bundle` is this actor's place in it.

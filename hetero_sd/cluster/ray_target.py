@@ -11,7 +11,8 @@ carries the committed length it starts at and the actor rolls its sequence
 back to it first, so a round executed twice leaves the same cache and the
 same length (a retried call cannot commit twice).
 
-A dead actor or node, or a call past `timeout_s`, raises BackendError: the
+A dead actor or node, or a call past `timeout_s` (`prefill_timeout_s` for calls
+longer than a verify), raises BackendError: the
 engine's FailoverRunner then builds the next placement's runner and replays
 every live sequence into it (failover.py), exactly as for a local device.
 """
@@ -26,8 +27,8 @@ from hetero_sd.cluster.placement import RayPlacement
 from hetero_sd.cluster.ray_env import actor_failure, actor_options, check_placeable, connect
 from hetero_sd.errors import BackendError
 from hetero_sd.ir import errors as _errors
-from hetero_sd.ir.work import (ALLOCATE, COPY_PREFIX, FEATURES, FORWARD, GREEDY, LENGTH, RELEASE, TRUNCATE,
-                               RunnerCall)
+from hetero_sd.ir.work import (ALLOCATE, COPY_PREFIX, FEATURES, FORWARD, GREEDY, LENGTH, MAX_DRAFT_TOKENS,
+                               RELEASE, TRUNCATE, RunnerCall)
 
 LOAD_TIMEOUT_S = 1800.0  # a 70B model on a cold disk
 
@@ -143,9 +144,14 @@ class RayRunner:
             raise BackendError(f"the target's Ray actor on {self.placement.label} {what}: "
                                f"{type(exc).__name__}: {str(exc)[:500]}") from None
 
+    def _timeout(self, tokens: int) -> float:
+        """A verify or decode is bounded by timeout_s; a longer call (a prefill, a replay)
+        by prefill_timeout_s, so a long prompt does not get a healthy target killed."""
+        return self.placement.prefill_timeout_s if tokens > MAX_DRAFT_TOKENS + 1 else self.timeout_s
+
     def _call(self, op: int, seq_id: int = 0, tokens=(), start: int = 0, num_logits: int = 0):
         record = RunnerCall(op, seq_id, start, num_logits, [int(t) for t in tokens]).pack()
-        return self._get(self.actor.call.remote(record), self.timeout_s)
+        return self._get(self.actor.call.remote(record), self._timeout(len(tokens)))
 
     # ------------------------------------------------------------ the Runner protocol
     def allocate(self, capacity: int) -> int:
@@ -160,7 +166,7 @@ class RayRunner:
     def _forward_batch(self, items: list[BatchItem]) -> list:
         records = [RunnerCall(FORWARD, i.seq_id, i.start, i.num_logits, [int(t) for t in i.tokens]).pack()
                    for i in items]
-        return self._get(self.actor.batch.remote(records), self.timeout_s)
+        return self._get(self.actor.batch.remote(records), self._timeout(max(len(i.tokens) for i in items)))
 
     def _copy_prefix(self, src_id: int, dst_id: int, length: int) -> None:
         self._call(COPY_PREFIX, src_id, start=length, num_logits=dst_id)

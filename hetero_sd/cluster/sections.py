@@ -42,7 +42,9 @@ class RaySection(RayNode):
 
 
 class TargetRaySection(RaySection):
-    timeout_s: Annotated[float, Field(gt=0)] = 60.0  # a slower target call means a hung actor
+    timeout_s: Annotated[float, Field(gt=0)] = 60.0  # a slower verify or decode call means a hung actor
+    # the same for longer calls: a long prompt's prefill, the replay after a failover
+    prefill_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     # Spare placements, in order: where the target moves (its sequences replayed) when
     # its node or actor dies. Each loads only when it is needed.
     fallback: list[RayNode] = Field(default_factory=list)

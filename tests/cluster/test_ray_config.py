@@ -49,12 +49,14 @@ def test_bad_ray_keys_name_the_key(tmp_path, text, words):
 
 def test_ray_sections_become_placements(tmp_path):
     spec = spec_from_config(_load(tmp_path, """
-target: {process: ray, ray: {address: 'head:6379', resources: {gpu_box: 1}, num_gpus: 1, timeout_s: 9,
+target: {process: ray, ray: {address: 'head:6379', resources: {gpu_box: 1}, num_gpus: 1, timeout_s: 9, prefill_timeout_s: 99,
                              fallback: [{labels: {role: spare}}, {node_id: abc}]}}
 drafter: {kind: ngram, process: ray, mode: async, ray: {address: 'head:6379', resources: {npu: 1}}}
 """))
     t, d = spec.target_ray, spec.drafter
-    assert (t.address, t.resources, t.num_gpus, t.timeout_s) == ("head:6379", (("gpu_box", 1.0),), 1.0, 9.0)
+    assert (t.address, t.resources, t.num_gpus, t.timeout_s, t.prefill_timeout_s) == (
+        "head:6379", (("gpu_box", 1.0),), 1.0, 9.0, 99.0)
+    assert {(p.timeout_s, p.prefill_timeout_s) for p in t.fallback} == {(9.0, 99.0)}  # the spares' too
     assert [(p.labels, p.node_id, p.address) for p in t.fallback] == [
         ((("role", "spare"),), None, "head:6379"), ((), "abc", "head:6379")]
     assert (d.transport, d.mode, d.ray.resources, d.ray.label) == ("ray", "async", (("npu", 1.0),), "ray[npu=1]")
