@@ -33,3 +33,14 @@ class GenerationError(HeteroSDError):
 class ConstraintError(ConfigError):
     """A grammar, regex or JSON Schema that cannot constrain generation
     (a syntax error, an invalid or unsatisfiable schema), found before any token."""
+
+
+def from_text(text: str, where: str, fallback: type[Exception]) -> Exception:
+    """An error that crossed a process boundary as "ErrorClass: message" (a worker's
+    reply, a Ray actor's report), rebuilt as the same HeteroSDError class where it is
+    one, else as `fallback`; `where` says which process it came from."""
+    cls_name, _, message = text.partition(": ")
+    cls = globals().get(cls_name)
+    if isinstance(cls, type) and issubclass(cls, HeteroSDError):
+        return cls(f"{where}: {message}")
+    return fallback(f"{where} failed: {text}")

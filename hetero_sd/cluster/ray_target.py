@@ -26,7 +26,7 @@ from hetero_sd.cluster.link import probe_reply
 from hetero_sd.cluster.placement import RayPlacement
 from hetero_sd.cluster.ray_env import actor_failure, actor_options, check_placeable, connect
 from hetero_sd.errors import BackendError
-from hetero_sd.ir import errors as _errors
+from hetero_sd.ir.errors import from_text
 from hetero_sd.ir.work import (ALLOCATE, COPY_PREFIX, FEATURES, FORWARD, GREEDY, LENGTH, MAX_DRAFT_TOKENS,
                                RELEASE, TRUNCATE, RunnerCall)
 
@@ -111,11 +111,7 @@ class RayRunner:
         info = self._get(self.actor.info.remote(), LOAD_TIMEOUT_S)
         if "error" in info:
             self.close()
-            cls_name, _, message = info["error"].partition(": ")
-            cls = getattr(_errors, cls_name, None)
-            if isinstance(cls, type) and issubclass(cls, _errors.HeteroSDError):
-                raise cls(f"{spec.role} on {placement.label}: {message}")
-            raise BackendError(f"{spec.role} on {placement.label} failed to load: {info['error']}")
+            raise from_text(info["error"], f"{spec.role} on {placement.label}", BackendError)
         self.device, self.precision = info["device"], info["precision"]
         self.vocab_size, self.max_context = info["vocab_size"], info["max_context"]
         self.location = f"{placement.label} ({info['where']})"

@@ -49,8 +49,7 @@ from hetero_sd.drafting.specs import MODES, TRANSPORTS, DrafterSpec, has_distrib
 from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, ERROR, HELLO, PARTIAL, READY, RESET, Control,
                                      decode_reply, parse_draft, sampling_words)
 from hetero_sd.drafting.worker import WorkerOptions
-from hetero_sd.ir import errors as _errors
-from hetero_sd.ir.errors import BackendError, ConfigError
+from hetero_sd.ir.errors import BackendError, ConfigError, from_text
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult
 from hetero_sd.transport import CorruptRecord, TransportTimeout, listen
 
@@ -301,7 +300,7 @@ class RemoteDrafter(Drafter):
             reply = decode_reply(w.channel, frame, self.vocab)
             w.held = reply.region
             if reply.status == ERROR:
-                raise _worker_exception(reply.body.decode(errors="replace"), self.name)
+                raise from_text(reply.body.decode(errors="replace"), f"drafter worker {self.name}", WorkerError)
             if reply.answers != answers:
                 raise CorruptRecord(f"worker answered op {reply.answers}, expected {answers}")
             return reply
@@ -338,15 +337,6 @@ def hetero_env() -> dict:
     """The HETERO_SD_* environment a worker must see: a forkserver child inherits
     the server's environment, not the engine's current one."""
     return {k: v for k, v in os.environ.items() if k.startswith("HETERO_SD_")}
-
-
-def _worker_exception(text: str, name: str) -> Exception:
-    """The worker's error as the same HeteroSDError class where it is one."""
-    cls_name, _, message = text.partition(": ")
-    cls = getattr(_errors, cls_name, None)
-    if isinstance(cls, type) and issubclass(cls, _errors.HeteroSDError):
-        return cls(f"drafter worker {name}: {message}")
-    return WorkerError(f"drafter worker {name} failed: {text}")
 
 
 __all__ = ["RemoteDrafter", "WorkerError", "WorkerStats"]

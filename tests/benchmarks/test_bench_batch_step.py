@@ -2,25 +2,14 @@
 (its figures are measured, never asserted)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+from helpers.benchmarks import load_benchmark
 from helpers.serving import write_config
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_batch_step.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_batch_step", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_reports_each_batch_and_leaves_the_pool_empty(tiny_model_dir, tmp_path, capsys):
     from hetero_sd.engine import Engine
 
-    mod = _module()
+    mod = load_benchmark("bench_batch_step")
     config = write_config(tmp_path / "t.yaml", tiny_model_dir("llama"), backend="onnxruntime", precision="int4")
     assert mod.main(["--config", config, "--context", "20", "--batches", "1,3", "--repeats", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -2,17 +2,12 @@
 per-kind figures for each drafter, every output checked against target-only."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_drafters.py"
-
+from helpers.benchmarks import load_benchmark
 
 def test_bench_drafters_reports_each_drafter(tiny_model_dir, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_drafters", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_drafters")
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"target: {{model: {tiny_model_dir('llama')}, backend: torch, precision: fp32}}\n"
                    "drafter: {kind: ngram}\n")

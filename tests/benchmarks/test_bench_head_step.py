@@ -1,23 +1,13 @@
 """benchmarks/bench_head_step.py measures every head runner on a tiny head (figures measured, never asserted)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_head_step.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_head_step", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.benchmarks import load_benchmark
 
 
 def test_reports_every_runner(tiny_model_dir, capsys):
     from hetero_sd.ir import load_model_ir
 
-    mod = _module()
+    mod = load_benchmark("bench_head_step")
     head = mod.make_head(load_model_ir(tiny_model_dir("llama")).config, 64)
     names = ["torch", "ort-fp32", "ort-int8@1", "ort-int4"]
     res = mod.measure(head, names, context=12, repeats=2, block=2)

@@ -1,14 +1,11 @@
 """benchmarks/bench_suffix.py end to end on a tiny model: three passes, the report's figures."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_suffix.py"
-_spec = importlib.util.spec_from_file_location("bench_suffix", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from helpers.benchmarks import load_benchmark
+
+bench = load_benchmark("bench_suffix")
 
 
 def test_three_passes_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
