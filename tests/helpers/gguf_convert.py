@@ -1,0 +1,310 @@
+"""GGUF files of the tiny test models (tiny_models.py), converted from their HF folders.
+
+    gguf = make_gguf(path, tmp / "llama.gguf", "Q8_0")   # llama.cpp-style GGUF of the same model
+    oracle = make_roundtrip_hf(path, tmp / "rt", "Q8_0")  # HF folder with the GGUF's stored weights
+
+GGUF files are written the way llama.cpp's `convert_hf_to_gguf.py` writes them: arch "llama"
+(Llama, Mistral) with the Q/K projection rows permuted for llama.cpp's RoPE layout, arch
+"qwen2" (no permute, q/k/v biases), the same tensor names, metadata keys and tokenizer
+metadata (via `gguf.SpecialVocab`, which is what the converter uses). tiny_models re-exports
+the public names, so callers may import them from either module.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+# Which variants a llama.cpp converter would emit as which GGUF architecture.
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF conversion (mirrors llama.cpp convert_hf_to_gguf.py)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (HF rotate-half layout -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of `_permute`."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The llama.cpp name of a Hugging Face tensor name."""
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        rest = ".".join(parts[3:])
+        if rest in _LAYER_NAMES:
+            return f"blk.{parts[2]}.{_LAYER_NAMES[rest]}"
+    raise KeyError(f"no GGUF name for {hf_name}")
+
+
+def _read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _rope_params(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from a config.json, old or new (transformers 5) style."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return float(theta), (None if rope_type == "default" else dict(rope, rope_type=rope_type))
+
+
+def _llama3_rope_factors(cfg: dict, theta: float, scaling: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's `rope_freqs.weight` for llama3 rope (LlamaModel.generate_extra_tensors)."""
+    base = theta
+    dim = head_dim
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = scaling.get("factor", 8.0)
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context_len = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(rope_factors, dtype=np.float32)
+
+
+def _add_vocab(writer, hf_dir: Path, vocab_size: int) -> None:
+    """`_set_vocab_gpt2` of convert_hf_to_gguf: byte-level tokens, types, merges, special ids."""
+    import gguf
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    added = {t["content"]: t for t in tok.get("added_tokens", [])}
+    for content, entry in added.items():
+        vocab[content] = entry["id"]
+    reverse = {i: t for t, i in vocab.items()}
+    tokens: list[str] = []
+    toktypes: list[int] = []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            toktypes.append(gguf.TokenType.UNUSED)
+            continue
+        text = reverse[i]
+        tokens.append(text)
+        if text in added:
+            toktypes.append(gguf.TokenType.CONTROL if added[text].get("special") else gguf.TokenType.USER_DEFINED)
+        else:
+            toktypes.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # our pre-tokenizer is the GPT-2 regex + ByteLevel
+    writer.add_token_list(tokens)
+    writer.add_token_types(toktypes)
+    special = gguf.SpecialVocab(hf_dir, load_merges=True)
+    special.add_to_gguf(writer)
+
+
+def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
+              arch: str | None = None) -> Path:
+    """Convert a saved HF folder (from `make_hf_model`) into a llama.cpp-style GGUF file.
+
+    `drop` (GGUF tensor names to leave out) and `arch` (a different general.architecture)
+    exist to build broken files for error-path tests.
+    """
+    import gguf
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    qtype = qtype.upper()
+    ftypes = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+              "LEGACY": gguf.LlamaFileType.MOSTLY_Q4_1}
+    if qtype not in ftypes:
+        raise ValueError(f"qtype must be one of {sorted(ftypes)}, got {qtype!r}")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    if model_type not in GGUF_ARCH:
+        raise ValueError(f"cannot convert model_type {model_type!r} to GGUF")
+    permute = GGUF_ARCH[model_type] == "llama"
+    arch = arch or GGUF_ARCH[model_type]
+    n_head = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    theta, scaling = _rope_params(cfg)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_name(hf_dir.name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(ftypes[qtype])
+    if qtype != "F32":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    extra: dict[str, np.ndarray] = {}
+    if scaling is not None:
+        rope_type = scaling["rope_type"]
+        if rope_type == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(scaling["factor"]))
+        elif rope_type == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(float(scaling["factor"]))
+            writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        elif rope_type == "llama3":
+            # llama.cpp writes no scaling keys for llama3; it stores per-frequency divisors instead.
+            extra["rope_freqs.weight"] = _llama3_rope_factors(cfg, theta, scaling, head_dim)
+        else:
+            raise ValueError(f"rope type {rope_type!r} has no GGUF form here")
+    # mistral sliding_window: llama.cpp's arch "llama" has no key for it, so it is dropped.
+
+    _add_vocab(writer, hf_dir, cfg["vocab_size"])
+
+    tensors = _read_hf_tensors(hf_dir)
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+
+    def order(name: str):
+        if name == "model.embed_tokens.weight":
+            return (0, 0, name)
+        if name.startswith("model.layers."):
+            return (1, int(name.split(".")[2]), name)
+        return (2, 0, name)
+
+    for name in sorted(tensors, key=order):
+        gname = gguf_tensor_name(name)
+        if gname in drop:
+            continue
+        data = tensors[name].astype(np.float32)
+        if permute and name.endswith("self_attn.q_proj.weight"):
+            data = _permute(data, n_head)
+        elif permute and name.endswith("self_attn.k_proj.weight"):
+            data = _permute(data, n_kv)
+        _add_tensor(writer, gname, data, qtype)
+    for name, data in extra.items():
+        writer.add_tensor(name, data)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _storage_type(gguf_name: str, shape: tuple[int, ...], qtype: str) -> str:
+    """The type convert_hf_to_gguf stores a tensor as: 1-D and norms stay F32; Q8_0 needs rows of
+    a multiple of 32 elements and falls back to F16 otherwise."""
+    from helpers.gguf_mixes import MIXES
+
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or qtype == "F32":
+        return "F32"
+    if qtype != "F16" and shape[-1] % 32 != 0:
+        return "F16"
+    return MIXES[qtype](gguf_name, shape) if qtype in MIXES else qtype
+
+
+def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
+    import gguf
+
+    kind = _storage_type(name, data.shape, qtype)
+    if kind == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    elif kind == "F16":
+        writer.add_tensor(name, data.astype(np.float16))
+    else:  # a block type
+        from helpers.gguf_mixes import encode
+
+        q = encode(kind, data)
+        # q is uint8 [rows, bytes per row]; with raw_dtype set the writer turns that byte
+        # shape back into the element shape (and reverses it to ggml's order on disk).
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+
+def roundtrip(array: np.ndarray, kind: str) -> np.ndarray:
+    """What a GGUF file stored as `kind` ("F32", "F16", "Q8_0") gives back for `array`."""
+    import gguf
+
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if kind == "F32":
+        return array
+    if kind == "F16":
+        return array.astype(np.float16).astype(np.float32)
+    from helpers.gguf_mixes import encode
+
+    return gguf.quants.dequantize(encode(kind, array), gguf.GGMLQuantizationType[kind]).astype(np.float32)
+
+
+def make_roundtrip_hf(hf_dir, out_dir, qtype: str) -> Path:
+    """A copy of an HF folder whose weights went through `make_gguf(..., qtype)` storage and back.
+
+    Its `hf_logits` are the exact oracle for a GGUF of that qtype: Q/K permutation commutes with
+    Q8_0 (which quantizes blocks of 32 within a row, and the permutation only moves whole rows).
+    """
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    qtype = qtype.upper()
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(hf_dir, out_dir)
+    for f in sorted(out_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as h:
+            meta = h.metadata()
+            arrays = {k: h.get_tensor(k) for k in h.keys()}
+        for k, v in arrays.items():
+            arrays[k] = roundtrip(v, _storage_type(gguf_tensor_name(k), v.shape, qtype)).astype(v.dtype)
+        save_file(arrays, str(f), metadata=meta)
+    return out_dir
