@@ -4,34 +4,44 @@ A backend turns a model IR into a runner on one device. Backends know the IR
 and their own runtime, nothing else. Third-party backends implement the same
 classes and register under the `hetero_sd.backends` entry-point group.
 
-    Backend  required  name, api_version (== API_VERSION)
+    Backend  required  name, api_version (one of API_VERSIONS)
                        probe() -> [DeviceInfo]     cheap; [] when the runtime is unusable here
                        load(model, device, precision, kv_budget_bytes, progress=None) -> Runner
              optional  load's `progress(i, total, name)`: call it while streaming weights
                        (tensor i of total), and with total 0 to name a long step (quantizing)
-    Runner   required  device, precision, vocab_size, max_context
-                       allocate / forward / greedy / truncate / release   (the decode loop)
-                       length / usage                                     (reporting)
-             optional  max_batch + forward_batch(items): several sequences' rows in one call,
-                       each row rounding exactly as in a call of its own (run_batch() loops
-                       over forward for a runner without them: max_batch 1)
-                       feature_layers + take_features(seq_id): when the model IR names feature
-                       layers (ModelIR.with_features; config.feature_layers), every call also
-                       computes those decoder layers' outputs (residual stream after layer i,
-                       0-based, before the final norm) for every input row; take_features
-                       returns them for the sequence's latest forward / greedy / forward_batch
-                       call, float32 [T, len(layers) * hidden] (layers concatenated in the
-                       given order; T: that call's rows, a BatchItem's own rows), then forgets
-                       them (None: no call since). Logits are unchanged by it, bitwise. A model
-                       without feature layers costs nothing (feature_layers == ()); a backend
-                       that cannot return them leaves take_features out (Loader refuses it;
-                       feature_layers(runner) below is what a caller asks)
-                       a capability a runner lacks is declared, never faked (a precision
-                       whose multi-token calls round differently says batch_invariant=False,
-                       and results then say "lossless: up to numerics")
+    Runner   a subclass of Runner below (API version 2). Required: device, precision,
+             vocab_size, max_context; allocate / forward / greedy / truncate / release (the
+             decode loop); length / usage (reporting). Optional capabilities are declared on
+             Runner with their defaults, and callers read the declaration, never probe:
+               max_batch + forward_batch(items)    several sequences' rows in one call, each
+                                                   row rounding exactly as in a call of its own
+                                                   (default: max_batch 1, one forward per item)
+               feature_layers + take_features(id)  hidden states of the layers the model IR
+                                                   names (ModelIR.with_features) for every
+                                                   input row (default: (), none)
+               can_copy_prefix + copy_prefix(...)  copy one sequence's leading KV into an empty
+                                                   one, bitwise what a prefill would write
+                                                   (default: False)
+               close()                             free what outlives this process's memory (a
+                                                   remote actor); default: nothing to free
+               location                            the machine it runs on when not here
+             A capability a runner lacks is declared, never faked (a precision whose
+             multi-token calls round differently says batch_invariant=False, and results then
+             say "lossless: up to numerics").
+    API version 1 backends (before the Runner class) still load: their runners are
+    wrapped (RequiredOnly) and offer the required methods alone.
+
+take_features, in full: when the model IR names feature layers, every call also
+computes those decoder layers' outputs (residual stream after layer i, 0-based,
+before the final norm) for every input row; take_features returns them for the
+sequence's latest forward / greedy / forward_batch call, float32
+[T, len(layers) * hidden] (layers concatenated in the given order; T: that call's
+rows, a BatchItem's own rows), then forgets them (None: no call since). Logits
+are unchanged by it, bitwise. A model without feature layers costs nothing.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -39,7 +49,8 @@ import numpy as np
 
 from hetero_sd.ir.model import ModelIR
 
-API_VERSION = 1  # bumped when Backend/Runner change incompatibly
+API_VERSION = 2  # bumped when Backend/Runner change incompatibly (2: runners subclass Runner)
+API_VERSIONS = (1, 2)  # what this hetero-sd loads
 
 
 @dataclass(frozen=True)
@@ -79,49 +90,100 @@ class BatchItem:
     num_logits: int
 
 
-class Runner(Protocol):
-    """A model loaded on one device, with its own KV pool."""
+class Runner(ABC):
+    """A model loaded on one device, with its own KV pool (module docstring)."""
 
     device: DeviceInfo
     precision: PrecisionInfo
     vocab_size: int
     max_context: int
 
+    # Optional capabilities, declared (module docstring); subclasses that have one say so.
+    max_batch: int = 1
+    feature_layers: tuple[int, ...] = ()
+    can_copy_prefix: bool = False
+    location: str | None = None
+
+    @abstractmethod
     def allocate(self, capacity: int) -> int:
         """Reserve `capacity` positions for a new sequence; return its id."""
 
+    @abstractmethod
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         """Run tokens at positions [start, start+T) (prefill and verify alike);
         return float32 logits [num_logits, vocab] of the last num_logits rows."""
 
+    @abstractmethod
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         """As forward, but return the argmax ids (computed on the device)."""
 
+    @abstractmethod
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep the first `length` positions; O(1), no KV data moves."""
 
+    @abstractmethod
     def length(self, seq_id: int) -> int: ...
 
+    @abstractmethod
     def release(self, seq_id: int) -> None: ...
 
+    @abstractmethod
     def usage(self) -> PoolUsage: ...
 
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        """Optional (max_batch > 1): logits for each item, as forward gives them alone."""
+        return [self.forward(i.seq_id, i.tokens, i.start, i.num_logits) for i in items]
 
-def batch_capacity(runner) -> int:
-    """How many sequences one call of the runner can carry (1: no batched forward)."""
-    return getattr(runner, "max_batch", 1) if hasattr(runner, "forward_batch") else 1
+    def take_features(self, seq_id: int) -> np.ndarray | None:
+        """Optional (feature_layers): the sequence's latest call's hidden states, then forgotten."""
+        return None
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Optional (can_copy_prefix): give the empty sequence `dst` the KV of `src`'s
+        first `length` positions."""
+        from hetero_sd.ir.errors import BackendError
+
+        raise BackendError(f"{self.device.backend}:{self.device.device} cannot copy KV between sequences")
+
+    def close(self) -> None:
+        """Optional: free what this process's exit would not (a remote actor)."""
 
 
-def feature_layers(runner) -> tuple[int, ...]:
-    """The decoder layers whose hidden states the runner's take_features returns
-    (the Runner docstring above); () when it returns none."""
-    return tuple(getattr(runner, "feature_layers", ())) if hasattr(runner, "take_features") else ()
+class RequiredOnly(Runner):
+    """An API version 1 backend's runner: the required methods, no optional capability
+    (version 1 had no way to declare one)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.device, self.precision = inner.device, inner.precision
+        self.vocab_size, self.max_context = inner.vocab_size, inner.max_context
+
+    def allocate(self, capacity):
+        return self.inner.allocate(capacity)
+
+    def forward(self, seq_id, tokens, start, num_logits):
+        return self.inner.forward(seq_id, tokens, start, num_logits)
+
+    def greedy(self, seq_id, tokens, start, num_logits):
+        return self.inner.greedy(seq_id, tokens, start, num_logits)
+
+    def truncate(self, seq_id, length):
+        self.inner.truncate(seq_id, length)
+
+    def length(self, seq_id):
+        return self.inner.length(seq_id)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+    def usage(self):
+        return self.inner.usage()
 
 
-def run_batch(runner, items: Sequence[BatchItem]) -> list[np.ndarray]:
+def run_batch(runner: Runner, items: Sequence[BatchItem]) -> list[np.ndarray]:
     """Logits for every item, in order: the runner's batched forward in calls of
     at most its max_batch sequences, or one forward per sequence."""
-    cap = batch_capacity(runner)
+    cap = runner.max_batch
     if cap <= 1:
         return [runner.forward(i.seq_id, i.tokens, i.start, i.num_logits) for i in items]
     out: list[np.ndarray] = []

@@ -45,12 +45,13 @@ from hetero_sd.backends.onnx_llama import OPSET, _rms_norm
 from hetero_sd.backends.onnx_weights import Builder, Linears
 from hetero_sd.ir.eagle import EagleHead
 from hetero_sd.ir.families.llama import rope_inv_freq
+from hetero_sd.ir.weights import WeightSource
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
 
 PRECISIONS = ("fp32", "int8", "int4")  # int4: the layer's linears at 4 bits, the LM head at 8 (as onnx_weights)
 
 
-class _Tensors:
+class _Tensors(WeightSource):
     """A weight source (ir/weights.py) over the head's tensors, for Linears."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):

@@ -83,9 +83,7 @@ def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, p
         b.close()
     if path is not None:
         onnx.save_model(proto, str(path))
-    release = getattr(model.weights, "release_pages", None)
-    if release is not None:
-        release()  # every tensor was read once: the file's pages need not stay resident here
+    model.weights.release_pages()  # every tensor was read once: the file's pages need not stay resident here
     return proto
 
 

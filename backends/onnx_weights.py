@@ -96,7 +96,7 @@ class Linears:
     def __init__(self, b: Builder, weights, precision: str):
         if precision not in ("fp32", "int8", "int4", "gguf"):
             raise ValueError(f"no ONNX weight policy for precision {precision!r}")
-        if precision == "gguf" and not hasattr(weights, "blocks"):
+        if precision == "gguf" and not weights.has_blocks:
             raise ValueError("precision 'gguf' needs a GGUF model (it keeps the file's own blocks)")
         self.b, self.weights, self.precision = b, weights, precision
 

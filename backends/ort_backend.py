@@ -87,6 +87,7 @@ class OrtRunner(GraphRunner):
     graph for one sequence)."""
 
     max_batch = 32  # sequences per call (a server's running set is split above it)
+    can_copy_prefix = True  # every row is row-invariant: copied KV is what a prefill writes
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  progress=None):

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from hetero_sd.backends.base import PoolUsage
+from hetero_sd.backends.base import PoolUsage, Runner
 from hetero_sd.ir.errors import KVBudgetError
 
 
@@ -22,7 +22,7 @@ class Extent:
     length: int = 0
 
 
-class PooledRunner:
+class PooledRunner(Runner):
     """The runner methods that only consult the pool's bookkeeping (`self._alloc`),
     shared by every backend's runner."""
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
-from hetero_sd.backends.base import API_VERSION, Backend
+from hetero_sd.backends.base import API_VERSION, API_VERSIONS, Backend
 from hetero_sd.ir.errors import BackendError
 
 GROUP = "hetero_sd.backends"
@@ -55,8 +55,9 @@ def _instantiate(name: str, factory, registry: Registry, origin: str = "", probe
         if missing:
             raise BackendError(f"{type(backend).__name__} is not a backend: no {' or '.join(missing)} method")
         version = getattr(backend, "api_version", None)
-        if version != API_VERSION:
-            raise BackendError(f"declares API version {version}, this hetero-sd speaks {API_VERSION}")
+        if version not in API_VERSIONS:
+            raise BackendError(f"declares API version {version}, this hetero-sd speaks "
+                               f"{' and '.join(map(str, API_VERSIONS))} (current: {API_VERSION})")
         if probe:  # third-party probes run once here, so a crashing one is caught before use
             try:
                 list(backend.probe())

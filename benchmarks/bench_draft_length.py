@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from hetero_sd.bench.common import WARMUP_PROMPT
 from hetero_sd.bench.prompts import load_prompts
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.config import load_config
 from hetero_sd.scheduler.draft_length import FixedDraftLength
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --reps >= 1, --max-new-tokens >= 2 and every k in 1..--k-max")
     cfg = load_config(None, _config(args.target, args.drafter, args.k_max))
     print(f"loading {args.target} with the {args.drafter} drafter ...", file=sys.stderr)
-    engine = build_engine(cfg, progress=True)
+    engine = Engine.from_config(cfg, progress=True)
     engine.eos_ids = set()  # EOS ignored: every run makes exactly --max-new-tokens
     prompts = load_prompts(None, args.kinds.split(",") if args.kinds else None)
     ids = {p.id: engine.encode(p.prompt) for p in prompts} | {WARMUP_PROMPT: engine.encode(WARMUP_PROMPT)}

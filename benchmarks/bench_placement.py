@@ -22,7 +22,7 @@ import sys
 import time
 
 from hetero_sd.bench.prompts import load_prompts
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.config import PACKAGED, load_config
 
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         chosen += [{"prompt": p.prompt, "kind": kind} for p in prompts if p.kind == kind][:args.prompts_per_kind]
     auto_cfg = load_config(PACKAGED / "auto.yaml")
     print("building configs/auto.yaml (the first run on a host profiles every placement) ...", file=sys.stderr)
-    engine = build_engine(auto_cfg, progress=True)
+    engine = Engine.from_config(auto_cfg, progress=True)
     plan = engine.plan
     print(plan.explain(), file=sys.stderr)
     rows = [{"config": f"auto -> {plan.best.target} + {plan.best.drafter_label}", "auto": True}]
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                 "target.backend": cand["target"]["backend"], "target.device": cand["target"]["device"],
                 "target.precision": cand["target"]["precision"],
                 **{f"drafter.{k}": v for k, v in cand["drafter"].items()}})
-            engine = build_engine(cfg)
+            engine = Engine.from_config(cfg)
             tok_s, tokens = _measure(engine, chosen, args.max_new_tokens)
         except Exception as exc:
             print(f"{label}: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)

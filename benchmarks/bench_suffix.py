@@ -45,7 +45,7 @@ from pathlib import Path
 from hetero_sd.bench.common import WARMUP_PROMPT
 from hetero_sd.bench.prompts import load_prompts
 from hetero_sd.config import load_config
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.scheduler.draft_length import FixedDraftLength
 
 PASSES = ("pass 1", "pass 2", "pass 3 (after clear_global)")
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the suffix drafter must run in this process (drafter.process: inproc) to clear its global tree")
     t = cfg.target
     print(f"loading {t.model} on {t.backend}:{t.device}:{t.precision} with the suffix drafter ...", file=sys.stderr)
-    engine = build_engine(cfg, progress=True)
+    engine = Engine.from_config(cfg, progress=True)
     drafter = engine.drafter
     if not hasattr(drafter, "clear_global"):
         ap.error(f"the configured drafter is {drafter.name}, not the suffix drafter")
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.versus_ngram:
         ngram_overrides = {"drafter.kind": "ngram", "drafter.k": k, "drafter.k_max": overrides.get("drafter.k_max")}
         print("loading the target again with the n-gram drafter ...", file=sys.stderr)
-        engines = {"suffix": engine, "ngram": build_engine(load_config(args.config, ngram_overrides))}
+        engines = {"suffix": engine, "ngram": Engine.from_config(load_config(args.config, ngram_overrides))}
         if isinstance(k, int):
             engines["ngram"].policy = FixedDraftLength(k)
         for e in engines.values():

@@ -31,7 +31,7 @@ from hetero_sd.bench.genai_peer import EXACT_HINTS, _config, _generate, _import,
 from hetero_sd.bench.ours import _sample as our_sample
 from hetero_sd.bench.prompts import load_prompts
 from hetero_sd.bench.runner import BenchOptions, _workload
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.config import load_config, resolve_model
 
 GENAI = "genai-exact plain"
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(None, {"target": {"model": "default", "backend": backend, "device": device,
                                             "precision": precision}, "drafter": {"kind": "none"}})
         print(f"loading {target} ...", file=sys.stderr)
-        engine = engines[f"ours {target.strip()}"] = build_engine(cfg, progress=True)
+        engine = engines[f"ours {target.strip()}"] = Engine.from_config(cfg, progress=True)
         engine.eos_ids = set()
         engine.generate_ids(work.warmup_ids, 8, target_only=True, stop=[])
     pipe = _pipeline(ov_genai, genai_model(model_path), None, "plain", EXACT_HINTS)

@@ -88,7 +88,7 @@ class PlanFallback:
         return None if spec is None else self._make_drafter(spec)
 
     def next_drafter(self, failed, error):
-        runner = getattr(failed, "runner", None)
+        runner = failed.runner  # (Drafter.runner)
         if runner is None:  # the n-gram drafter has no device to exclude
             return None
         try:

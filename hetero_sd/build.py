@@ -18,7 +18,7 @@ from hetero_sd.backends.registry import discover
 from hetero_sd.config import Config
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.build import build_drafter
-from hetero_sd.drafting.specs import model_specs
+from hetero_sd.drafting.specs import WorkerSpec, model_specs
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading import Loader
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
@@ -55,7 +55,7 @@ def build(spec: EngineSpec, load: Loader) -> Built:
             drafter.wait_ready()
     except BaseException:
         for part in (drafter, target):
-            if part is not None and hasattr(part, "close"):  # workers, Ray actors
+            if part is not None:  # (workers and Ray actors hold processes; local parts nothing)
                 part.close()
         release_places(spec)
         raise
@@ -108,7 +108,7 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
 def split_cores(drafter) -> None:
     """A worker given `cpus` runs there; this process (the target) keeps the
     other CPUs, set before any runtime sizes its thread pool from them."""
-    cpus = getattr(drafter, "cpus", None)
+    cpus = drafter.cpus if isinstance(drafter, WorkerSpec) else None
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return
     mine = os.sched_getaffinity(0)

@@ -29,11 +29,11 @@ def _generate(args) -> int:
     engine = Engine.from_config(cfg, progress=not args.json and sys.stderr.isatty() or args.progress,
                                 target_only=args.target_only)
     if args.explain:
-        print(_explain(engine, cfg), file=sys.stderr)
+        print(_explain(engine, cfg, args.target_only), file=sys.stderr)
     try:
         result = engine.generate(prompt, target_only=args.target_only, constraint=constraint)
     except GenerationError as exc:
-        partial = getattr(exc, "partial", None)
+        partial = exc.partial
         if partial is not None and partial.token_ids:  # never lose what was already produced
             print(json.dumps({**partial.to_dict(), "error": str(exc)}) if args.json else partial.text)
         raise
@@ -45,9 +45,13 @@ def _generate(args) -> int:
     return 0
 
 
-def _explain(engine, cfg) -> str:
+def _explain(engine, cfg, target_only: bool = False) -> str:
     if engine.plan is not None:
-        return engine.plan.explain()
+        text = engine.plan.explain()
+        if target_only:
+            text += (f"\n--target-only: {engine.plan.best.target} alone, the target the plan verifies on "
+                     "(its drafter is not built), so the output is what the speculative run must equal")
+        return text
     from hetero_sd.cluster.explain import explain_cluster
 
     k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max

@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner, feature_layers, resolve
+from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, RequiredOnly, Runner, resolve
 from hetero_sd.backends.registry import BUILTINS, Registry, discover, load_builtin
 from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.errors import BackendError, describe
@@ -62,14 +62,26 @@ class Loader:
         with _progress(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
                        ) as progress:
             model = self.ir(spec.model).with_output_vocab(spec.vocab).with_features(spec.features or None)
-            runner = self.backend(spec.backend).load(model, info.device, precision.name, spec.kv_budget,
-                                                     progress=progress)
-        if spec.features and feature_layers(runner) != tuple(spec.features):
+            backend = self.backend(spec.backend)
+            runner = _contract(backend, backend.load(model, info.device, precision.name, spec.kv_budget,
+                                                     progress=progress))
+        if spec.features and tuple(runner.feature_layers) != tuple(spec.features):
             # a backend that ignores the model's feature layers (a plugin written before them)
             raise BackendError(f"{spec.role}: backend {spec.backend!r} cannot return hidden states "
                                f"(features of layers {list(spec.features)} were asked for; its runner has "
                                f"no take_features for them): run it on torch, onnxruntime or openvino")
         return runner
+
+
+def _contract(backend, runner) -> Runner:
+    """The runner under the contract its backend's API version promises: version 1
+    runners offer the required methods alone (RequiredOnly); later ones subclass Runner."""
+    if backend.api_version == 1:  # (a Registry built by hand skips the registry's version check)
+        return runner if isinstance(runner, Runner) else RequiredOnly(runner)
+    if not isinstance(runner, Runner):
+        raise BackendError(f"backend {backend.name!r} returned a {type(runner).__name__}, which is not a "
+                           "hetero_sd.backends.base.Runner (API version 2: runners subclass it)")
+    return runner
 
 
 class _Progress:

@@ -1,33 +1,45 @@
 """When generation ends: EOS, token budget, stop strings — decided token by
-token, so speculative and target-only runs stop at exactly the same token."""
+token, so speculative and target-only runs stop at exactly the same token.
+
+The stop checker is the one place a committed token enters the request's token
+history (ir.work.TokenHistory): it appends every token but EOS, and reads the
+output back from there."""
 from __future__ import annotations
+
+from hetero_sd.ir.work import TokenHistory
 
 
 class StopChecker:
-    def __init__(self, max_new_tokens: int, eos_ids: set[int], stop: list[str], tokenizer=None):
+    def __init__(self, history: TokenHistory, max_new_tokens: int, eos_ids: set[int], stop: list[str],
+                 tokenizer=None):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        self.max_new_tokens, self.eos_ids, self.stop, self.tokenizer = max_new_tokens, eos_ids, stop, tokenizer
-        self.tokens: list[int] = []
+        self.history, self.max_new_tokens, self.eos_ids = history, max_new_tokens, eos_ids
+        self.stop, self.tokenizer = stop, tokenizer
         self.reason = ""
 
+    @property
+    def tokens(self) -> list[int]:
+        """The output so far (a copy of the history's tokens after the prompt)."""
+        return self.history.output
+
     def feed(self, token: int) -> bool:
-        """Record one committed token; True when generation is over."""
+        """Commit one token; True when generation is over."""
         if token in self.eos_ids:
             self.reason = "eos"  # the EOS token itself is not part of the output
             return True
-        self.tokens.append(token)
+        self.history.append(token)
         if self.stop and self._stop_hit():
             self.reason = "stop"
             return True
-        if len(self.tokens) >= self.max_new_tokens:
+        if self.history.output_len >= self.max_new_tokens:
             self.reason = "length"
             return True
         return False
 
     def _stop_hit(self) -> bool:
         # Decode a tail only: a stop string can end in the newest token alone.
-        tail = self.tokenizer.decode(self.tokens[-32:], skip_special_tokens=False)
+        tail = self.tokenizer.decode(self.history.tail(32), skip_special_tokens=False)
         return any(s in tail for s in self.stop)
 
     def text(self) -> str:

@@ -27,7 +27,10 @@ class KVBudgetError(BackendError):
 
 
 class GenerationError(HeteroSDError):
-    """A request cannot be served as asked (too long a prompt, ...)."""
+    """A request cannot be served as asked (too long a prompt, ...). `partial`: the
+    GenerationResult produced before it, when generation had begun."""
+
+    partial = None
 
 
 class ConstraintError(ConfigError):

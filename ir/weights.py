@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,13 +17,24 @@ import torch
 from hetero_sd.ir.errors import ModelLoadError
 
 
-class WeightSource(Protocol):
-    def names(self) -> list[str]: ...
+class WeightSource:
+    """Named tensors, read on demand. Optional, declared here: `has_blocks` and
+    blocks(name) (the file's own quantized blocks: GGUF), release_pages() (drop a
+    mapped file's pages once every tensor was read)."""
 
-    def get(self, name: str) -> torch.Tensor: ...
+    has_blocks = False
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release_pages(self) -> None:
+        """Optional: nothing to release for a source that maps nothing."""
 
 
-class SafetensorsSource:
+class SafetensorsSource(WeightSource):
     """One `model.safetensors` or shards listed in `model.safetensors.index.json`."""
 
     def __init__(self, folder: Path):
@@ -62,12 +73,14 @@ class SafetensorsSource:
         return self._handles[self._where[name]].get_tensor(name).to(torch.float32, copy=True)
 
 
-class GGUFSource:
+class GGUFSource(WeightSource):
     """Tensors of a GGUF file under Hugging Face names, dequantized on demand.
 
     `name_map` maps HF names to GGUF names; `fixup(hf_name, array)` undoes
     format-specific layouts (llama.cpp permutes Llama Q/K rows for its RoPE).
     """
+
+    has_blocks = True
 
     def __init__(self, reader, path: Path, name_map: dict[str, str],
                  fixup: Callable[[str, np.ndarray], np.ndarray] | None = None):

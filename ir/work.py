@@ -1,13 +1,29 @@
 """The work IR: flat records for the units of work the engine hands out.
 
-Glossary (follows vLLM's rejection sampler): *draft* tokens are proposed by a
-drafter; *accepted* tokens are the draft prefix the target agrees with; the
-*bonus* token is the target's own next token after the accepted prefix (a
-correction when a draft was rejected, a free extra token when all were kept).
+The glossary, one for the whole code base (it follows vLLM's rejection
+sampler; hetero_sd/sampling.py and the request object use these words):
+
+    history    one request's tokens: the prompt, then every committed token, in
+               order (TokenHistory). The request owns the only copy; the stop
+               checker, the failover wrapper and in-process drafters read it,
+               a drafter in another process is sent deltas of it.
+    draft      a token a drafter proposes (DraftRequest -> DraftResult).
+    step       one verify: the target scores the last committed token followed
+               by the drafts, k + 1 rows in one call (VerifyRequest).
+    accepted   the prefix of the drafts the target agrees with (greedy: equal
+               to its own argmax; sampled: kept by rejection sampling).
+    recovered  the target's own token at the first rejected position (greedy:
+               its argmax there; sampled: drawn from norm(max(0, p - q))).
+    bonus      the target's extra token after the last draft when every draft
+               was accepted (drawn from, or the argmax of, p at that row).
+    committed  accepted drafts plus the one recovered or bonus token: what a
+               step appends to the history (VerifyResult.tokens).
+    rollback   the target's cache keeps the committed positions only, a length
+               change (Runner.truncate), never a copy.
 
 Every record has a fixed header of int32 fields plus at most one int32 token
 array, so it packs to bytes with `struct` and can cross a process boundary in
-shared memory without pickling.
+shared memory without pickling. Fields marked wire=False stay in-process.
 """
 from __future__ import annotations
 
@@ -41,11 +57,44 @@ class _Record:
         return cls(*ints, tokens)
 
 
+class TokenHistory:
+    """One request's tokens: the prompt, then each committed token (the glossary's
+    history). Appended to by the request alone; everyone else reads `ids`."""
+
+    __slots__ = ("ids", "prompt_len")
+
+    def __init__(self, prompt):
+        self.ids: list[int] = list(prompt)
+        self.prompt_len = len(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def output(self) -> list[int]:
+        """The committed tokens after the prompt (a copy)."""
+        return self.ids[self.prompt_len:]
+
+    @property
+    def output_len(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    def tail(self, n: int) -> list[int]:
+        """The last n output tokens (fewer when there are fewer)."""
+        return self.ids[max(self.prompt_len, len(self.ids) - n):]
+
+    def append(self, token: int) -> None:
+        self.ids.append(token)
+
+
 @dataclass
 class DraftRequest(_Record):
-    """Propose up to k tokens. The drafter first rolls its view of the sequence
-    back to `base_len` committed tokens, then appends `new_tokens` (the tokens
-    committed since its last request; the whole prompt on the first)."""
+    """Propose up to k tokens. The drafter's view of the sequence is rolled back
+    to `base_len` tokens, then `new_tokens` appended (the tokens committed since
+    its last request; the whole prompt on the first): the delta a drafter in
+    another process is sent. In process, `context` is the whole sequence after
+    the delta (the request's history, or a cascade stage's own context), which a
+    drafter reads instead of keeping a copy."""
 
     KIND = 1
     seq_id: int
@@ -57,6 +106,9 @@ class DraftRequest(_Record):
     # new_tokens[-n + i] (so n = n_new, or n_new - 1 on the first request, whose
     # first token has nothing before it). None otherwise. In-process only: not packed.
     features: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
+    # Sequence[int], read-only: base_len + len(new_tokens) tokens, the context to
+    # draft after. In-process only; a drafter sent only the delta rebuilds it (Drafter.context_for).
+    context: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
 
 
 @dataclass
@@ -71,13 +123,22 @@ class DraftResult(_Record):
 
 @dataclass
 class VerifyRequest(_Record):
-    """Score `tokens` at positions [start, start+T): the last committed token
-    followed by the drafts, so row i predicts the token after tokens[i]."""
+    """One step (the glossary's): score `tokens` at positions [start, start+T),
+    the last committed token followed by the drafts, so row i predicts the token
+    after tokens[i]. A request's propose() returns it; score() or a batched
+    forward scores it; accept() takes the scores."""
 
     KIND = 3
     seq_id: int
     start: int
     tokens: list[int] = field(default_factory=list)  # [1 + n_draft] int32
+    # [n_draft, vocab] float64 draft distributions q when a sampled request drafted
+    # with a model; None for greedy or deterministic drafts. In-process only.
+    draft_probs: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.tokens[1:]
 
 
 @dataclass
@@ -85,7 +146,7 @@ class VerifyResult(_Record):
     KIND = 4
     seq_id: int
     accepted: int  # number of draft tokens kept, 0..n_draft
-    tokens: list[int] = field(default_factory=list)  # [accepted + 1] committed ids: accepted + bonus
+    tokens: list[int] = field(default_factory=list)  # [accepted + 1] committed ids: accepted + recovered/bonus
 
 
 # RunnerCall ops

@@ -1,6 +1,8 @@
 """How far ahead to draft: a policy fed with acceptance (and timings) after each round.
 
-The engine calls `next_k(remaining)` before each round and
+The contract, which every policy has: `next_k`, `observe`, `reset`, and
+`set_cost(RoundCost)` (the cost of a round as a batching server prices it; a
+fixed k ignores it). The engine calls `next_k(remaining)` before each round and
 `observe(drafted, accepted, draft_s, verify_s)` after its verify, where
 drafted is how many drafts the target actually verified (the n-gram drafter
 may return fewer than asked, or none), accepted how many of them it kept,
@@ -38,6 +40,9 @@ class FixedDraftLength:
 
     def reset(self) -> None:
         """A new request (nothing to forget)."""
+
+    def set_cost(self, cost: RoundCost) -> None:
+        """What a round costs now (a batching server's price): a fixed k ignores it."""
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a

@@ -26,7 +26,7 @@ from hetero_sd.bench.common import Progress, RunResult, Sample, Skip, Workload
 
 VARIANTS = ("plain", "prompt-lookup", "draft-model")
 N_BATCH = 512
-PIP = "pip install llama-cpp-python (see README: build flags on AMX hosts)"
+PIP = "pip install llama-cpp-python (see docs/benchmarks.md: build flags on AMX hosts)"
 
 
 def _import():

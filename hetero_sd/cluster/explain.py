@@ -23,11 +23,15 @@ ASSUMED_ALPHA = 0.7  # a draft model's typical acceptance; the adaptive k correc
 
 def ray_parts(engine) -> tuple[object | None, object | None]:
     """(target RayRunner or None, RemoteDrafter over Ray or None)."""
-    target = engine.target if hasattr(engine.target, "placement") and hasattr(engine.target, "actor") else None
+    from hetero_sd.cluster.ray_target import RayRunner
+    from hetero_sd.drafting.cascade import CascadeDrafter
+    from hetero_sd.drafting.remote import RemoteDrafter
+
+    target = engine.target if isinstance(engine.target, RayRunner) else None
     drafter = engine.drafter
-    while drafter is not None and getattr(drafter, "transport", None) != "ray":
-        drafter = getattr(drafter, "inner", None)  # a cascade's inner drafter may be the Ray worker
-    return target, drafter
+    while isinstance(drafter, CascadeDrafter):  # a cascade's inner drafter may be the Ray worker
+        drafter = drafter.inner
+    return target, drafter if isinstance(drafter, RemoteDrafter) and drafter.transport == "ray" else None
 
 
 def explain_cluster(engine, k: int, sampled: bool) -> str | None:

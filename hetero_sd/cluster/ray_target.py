@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from hetero_sd.backends.base import BatchItem, PoolUsage, batch_capacity, feature_layers, run_batch
+from hetero_sd.backends.base import BatchItem, PoolUsage, Runner, run_batch
 from hetero_sd.cluster.link import probe_reply
 from hetero_sd.cluster.placement import RayPlacement
 from hetero_sd.cluster.ray_env import actor_failure, actor_options, check_placeable, connect
@@ -51,8 +51,8 @@ class TargetActor:
             return {"error": self.error}
         r = self.runner
         return {"device": r.device, "precision": r.precision, "vocab_size": r.vocab_size,
-                "max_context": r.max_context, "feature_layers": feature_layers(r),
-                "max_batch": batch_capacity(r), "copy_prefix": hasattr(r, "copy_prefix"), "where": self.where()}
+                "max_context": r.max_context, "feature_layers": tuple(r.feature_layers),
+                "max_batch": r.max_batch, "copy_prefix": r.can_copy_prefix, "where": self.where()}
 
     def call(self, record: bytes):
         c, r = RunnerCall.unpack(record), self.runner
@@ -98,8 +98,9 @@ class TargetActor:
         return probe_reply(record, rows, vocab)
 
 
-class RayRunner:
-    """A Runner whose model runs in a TargetActor placed by `placement`."""
+class RayRunner(Runner):
+    """A Runner whose model runs in a TargetActor placed by `placement`; its optional
+    capabilities are the actor's runner's."""
 
     def __init__(self, spec, placement: RayPlacement):
         from hetero_sd.drafting.remote import hetero_env
@@ -115,14 +116,8 @@ class RayRunner:
         self.device, self.precision = info["device"], info["precision"]
         self.vocab_size, self.max_context = info["vocab_size"], info["max_context"]
         self.location = f"{placement.label} ({info['where']})"
-        if info["feature_layers"]:
-            self.feature_layers = info["feature_layers"]
-            self.take_features = partial(self._call, FEATURES, start=0)
-        if info["max_batch"] > 1:
-            self.max_batch = info["max_batch"]
-            self.forward_batch = self._forward_batch
-        if info["copy_prefix"]:
-            self.copy_prefix = self._copy_prefix
+        self.feature_layers, self.max_batch = info["feature_layers"], info["max_batch"]
+        self.can_copy_prefix = info["copy_prefix"]
 
     def _get(self, ref, timeout: float):
         try:
@@ -159,12 +154,17 @@ class RayRunner:
     def greedy(self, seq_id: int, tokens, start: int, num_logits: int) -> list[int]:
         return [int(t) for t in self._call(GREEDY, seq_id, tokens, start, num_logits)]
 
-    def _forward_batch(self, items: list[BatchItem]) -> list:
+    def take_features(self, seq_id: int):
+        return self._call(FEATURES, seq_id) if self.feature_layers else None
+
+    def forward_batch(self, items: list[BatchItem]) -> list:
         records = [RunnerCall(FORWARD, i.seq_id, i.start, i.num_logits, [int(t) for t in i.tokens]).pack()
                    for i in items]
         return self._get(self.actor.batch.remote(records), self._timeout(max(len(i.tokens) for i in items)))
 
-    def _copy_prefix(self, src_id: int, dst_id: int, length: int) -> None:
+    def copy_prefix(self, src_id: int, dst_id: int, length: int) -> None:
+        if not self.can_copy_prefix:
+            super().copy_prefix(src_id, dst_id, length)
         self._call(COPY_PREFIX, src_id, start=length, num_logits=dst_id)
 
     def truncate(self, seq_id: int, length: int) -> None:

@@ -1,9 +1,14 @@
 """Drafting: everything that proposes tokens for the target to verify.
 
-    base.py     the Drafter contract (required and optional methods), context deltas
+    base.py     the Drafter contract (required methods, declared optional capabilities),
+                the request's context (read in process, rebuilt from deltas elsewhere)
     ngram.py    prompt lookup (model-free)
-    suffix.py   suffix decoding: suffix trees of this request and of earlier outputs (model-free)
+    suffix.py   suffix decoding (model-free) over two trees:
+    suffix_tree.py    this request's prompt and output so far
+    suffix_global.py  earlier requests' outputs, shared by forks
     model.py    a draft model on any backend
+    head.py     an EAGLE-3 head over the target's hidden states
+    hybrid.py   suffix drafts where the text repeats, the head elsewhere
     cascade.py  k-stage cascades: each stage verifies the one inside it
     specs.py    the drafter spec tree a config or a plan becomes
     build.py    build_drafter(spec, ...): the one place drafters are constructed

@@ -1,28 +1,44 @@
 """The drafter contract: who proposes the tokens the target verifies.
 
-Every drafter keeps its own view of the committed sequence, synchronised by
-deltas (`DraftRequest.base_len` + `new_tokens`), so the same contract holds
-when a drafter runs in another process (remote.py).
+A drafter drafts after the context a DraftRequest describes. In process the
+request carries that context (`DraftRequest.context`: the request's one token
+history, read, never copied); a drafter in another process is sent the delta
+(`base_len` + `new_tokens`) and `context_for` rebuilds the sequence there.
 
     required  name                              shown in stats and events
               begin(capacity, sampler, guide)   start a sequence
               draft(DraftRequest) -> DraftResult
               reset()                           forget the sequence (end of a request)
-    optional  wait_ready()                      block until usable (a worker loading its model)
-              close()                           free processes and memory for good
+    optional, declared here with their defaults (never probed for):
+              can_fork + fork()                 an independent drafter for another concurrent
+                                                sequence (the batching server); False: it cannot
+              takes_guide                       begin() takes the request's grammar (True; False
+                                                for a drafter written to the contract before
+                                                guides: it is begun without one)
+              feature_layers                    target layers whose hidden states it reads (a head)
+              runner                            the model Runner it drafts with in this process
+                                                (None: model-free, or in another process); a
+                                                re-plan after its failure excludes that device
               observe(drafted, accepted)        after each speculative round: how its draft fared
-
-Subclass `Drafter` to get the optional ones as no-ops.
+              wait_ready()                      block until usable (a worker loading its model)
+              close()                           free processes and memory for good
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
 
 class Drafter(ABC):
     name: str = "drafter"
+    can_fork: bool = False
+    takes_guide: bool = True
+    feature_layers: tuple[int, ...] = ()
+    runner = None  # a backends.base.Runner, for drafters that draft with a model here
+    _view: Sequence[int] | None = None  # the context of the latest request (context_for)
+    _owns_view = False
 
     @abstractmethod
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
@@ -42,14 +58,45 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget the current sequence (called at the end of a request)."""
 
+    def fork(self) -> "Drafter":
+        """Optional (can_fork): a drafter for another concurrent sequence."""
+        raise NotImplementedError(f"drafter {self.name} cannot serve concurrent sequences (can_fork is False)")
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Optional: after a speculative round, how many of its drafts were accepted."""
+
     def wait_ready(self) -> None:
         """Optional: block until the drafter can draft; raise why it cannot."""
 
     def close(self) -> None:
         """Optional: release what outlives a request (worker processes, runners)."""
 
+    # ------------------------------------------------------------ the context
+    def context_for(self, req: DraftRequest) -> Sequence[int]:
+        """The context to draft after: the request's own (in process, no copy), or,
+        for a request that carries only the delta (made by hand, or decoded from
+        the wire), this drafter's view rolled back and extended by it."""
+        if req.context is not None:
+            self._view, self._owns_view = req.context, False
+            return req.context
+        if not self._owns_view:
+            self._view, self._owns_view = [], True
+        return apply_delta(self._view, req)
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+    @property
+    def context(self) -> Sequence[int]:
+        """The context of the latest request ([] after reset)."""
+        return self._view if self._view is not None else []
+
+    @context.setter
+    def context(self, tokens: list[int]) -> None:  # a drafter that keeps its own list
+        self._view, self._owns_view = tokens, True
+
+    def forget_context(self) -> None:
+        self._view, self._owns_view = None, False
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix: how much of a cache still matches a context."""
     n, limit = 0, min(len(a), len(b))
     while n < limit and a[n] == b[n]:

@@ -29,7 +29,7 @@ prefix with the context (the target's rejections roll back here too).
 from __future__ import annotations
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafting.base import Drafter, apply_delta, common_prefix
+from hetero_sd.drafting.base import Drafter, common_prefix
 from hetero_sd.drafting.model import check_vocab
 from hetero_sd.errors import describe
 from hetero_sd.ir.errors import ConfigError
@@ -51,7 +51,6 @@ class CascadeDrafter(Drafter):
         self.events: list[str] = []  # inner-stage failures, across requests
         self.inner_drafted = self.inner_accepted = self.stage_calls = 0
         self._seq: int | None = None
-        self.context: list[int] = []
         self._cached: list[int] = []  # tokens whose KV the intermediate's cache holds
         self._inner_ctx: list[int] = []  # the context the inner drafter was last told
         self._inner_live = False
@@ -76,16 +75,17 @@ class CascadeDrafter(Drafter):
                 self.inner.reset()
             except Exception as exc:
                 self.events.append(f"inner {self.inner.name} reset failed: {describe(exc)}")
-        self._seq, self.context, self._cached, self._inner_ctx = None, [], [], []
+        self._seq, self._cached, self._inner_ctx = None, [], []
         self._inner_live = False
+        self.forget_context()
 
     def draft(self, req: DraftRequest) -> DraftResult:
         if self._seq is None:
             raise RuntimeError("CascadeDrafter.begin must be called before draft")
-        apply_delta(self.context, req)
+        context = self.context_for(req)
         out: list[int] = []
-        while len(out) < req.k:
-            out += self._stage_round(self.context + out, req.seq_id, req.k - len(out))
+        while len(out) < req.k:  # (each stage round's context is a list of its own: context + out)
+            out += self._stage_round(list(context) + out, req.seq_id, req.k - len(out))
         return DraftResult(req.seq_id, out[:req.k])
 
     def wait_ready(self) -> None:
@@ -118,7 +118,7 @@ class CascadeDrafter(Drafter):
             return []
         base = common_prefix(self._inner_ctx, ctx)
         try:
-            proposal = self.inner.draft(DraftRequest(seq_id, base, k, ctx[base:]))
+            proposal = self.inner.draft(DraftRequest(seq_id, base, k, ctx[base:], context=ctx))
             drafts = list(proposal.tokens[:k])
             bad = [t for t in drafts if not 0 <= t < self.runner.vocab_size]
             if bad:
@@ -126,7 +126,7 @@ class CascadeDrafter(Drafter):
         except Exception as exc:
             self._drop_inner(exc)
             return []
-        self._inner_ctx = list(ctx)
+        self._inner_ctx = ctx  # (never changed after: the next round makes its own)
         return drafts
 
     def _drop_inner(self, exc: BaseException) -> None:

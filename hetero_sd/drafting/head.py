@@ -20,13 +20,14 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from hetero_sd.drafting.base import Drafter, apply_delta
+from hetero_sd.drafting.base import Drafter
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
 
 class HeadDrafter(Drafter):
     name = "head"
+    can_fork = True
 
     def __init__(self, runner, target_vocab: int):
         """`runner`: a head runner (backends/torch_head.py states the contract)."""
@@ -53,7 +54,7 @@ class HeadDrafter(Drafter):
         self._sampler, self._guide = sampler, guide
 
     def reset(self) -> None:
-        self.context: list[int] = []
+        self.forget_context()
         self.pairs = 0  # pairs 0..pairs-1 hold real features in the cache
         self.first = 0  # the first of them (later than 0 after a gap in the features)
         self._last = None  # (pre-norm output, logits) of pair `pairs - 1`: the first draft comes from it
@@ -65,34 +66,34 @@ class HeadDrafter(Drafter):
         drafter's round that another drafter serves): they run with the next real draft."""
         if not self._ready:
             raise RuntimeError("HeadDrafter.begin must be called before draft")
-        apply_delta(self.context, req)
+        ctx = self.context_for(req)
         kept = max(req.base_len - 1, 0)  # pair j stays valid while token j + 1 is unchanged
         if kept < self.pairs:
             self.pairs, self._last = kept, None
             self.first = min(self.first, kept)  # (rolled back past a gap's start: nothing cached is left)
-        self._stash(req.features, kept)
-        n = len(self.context)
+        n = len(ctx)
+        self._stash(req.features, kept, n)
         if req.k < 1:
             return DraftResult(req.seq_id, [])
-        self._extend()
+        self._extend(ctx)
         if self._last is None or self.pairs != n - 1:
             return DraftResult(req.seq_id, [])  # no features for the newest position: nothing to draft from
         return self._draft(req.seq_id, req.k, n - 1)
 
-    def _stash(self, features, kept: int) -> None:
+    def _stash(self, features, kept: int, n: int) -> None:
         """Keep features (those of the positions just before the newest tokens) until a draft runs them."""
         if self._pending is not None and self._pending_at + len(self._pending) > kept:  # rolled back
             self._pending = self._pending[:max(kept - self._pending_at, 0)]
         if features is None or not len(features):
             return
         rows = np.asarray(features, dtype=np.float32)
-        start = len(self.context) - 1 - len(rows)
+        start = n - 1 - len(rows)
         if self._pending is not None and len(self._pending) and self._pending_at + len(self._pending) == start:
             self._pending = np.concatenate([self._pending, rows])
         else:
             self._pending, self._pending_at = rows, start
 
-    def _extend(self) -> None:
+    def _extend(self, ctx) -> None:
         """Run the pending pairs through the head, in one call, writing their KV."""
         if self._pending is None or not len(self._pending):
             return
@@ -104,7 +105,7 @@ class HeadDrafter(Drafter):
         if not len(rows):
             return
         p = self.pairs
-        self._last = self.runner.run(self.context[p + 1:p + 1 + len(rows)], p, self.first, features=rows)
+        self._last = self.runner.run(list(ctx[p + 1:p + 1 + len(rows)]), p, self.first, features=rows)
         self.pairs = p + len(rows)
 
     def _draft(self, seq_id: int, k: int, pos: int) -> DraftResult:

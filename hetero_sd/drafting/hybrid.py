@@ -30,6 +30,7 @@ EXPLORE = 64  # one round in this many tries a head below the bar, to keep its a
 
 class HybridDrafter(Drafter):
     name = "hybrid"
+    can_fork = True
 
     def __init__(self, suffix: SuffixDrafter, head: HeadDrafter, min_match: int = 4, min_head_rate: float = 0.35):
         if min_match < 1:
@@ -57,7 +58,7 @@ class HybridDrafter(Drafter):
         self.head.reset()
 
     def draft(self, req: DraftRequest) -> DraftResult:
-        found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens))
+        found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens, context=req.context))
         self._rounds += 1
         if found.tokens and self.suffix.match_len >= self.min_match:
             return self._skip_head(req, found, None)
@@ -72,7 +73,8 @@ class HybridDrafter(Drafter):
     def _skip_head(self, req: DraftRequest, found: DraftResult, kind: str | None) -> DraftResult:
         """The suffix drafter's proposal (maybe none); the head only takes in the round (k = 0):
         its features run with its next draft."""
-        self.head.draft(DraftRequest(req.seq_id, req.base_len, 0, req.new_tokens, features=req.features))
+        self.head.draft(DraftRequest(req.seq_id, req.base_len, 0, req.new_tokens, features=req.features,
+                                     context=req.context))
         if found.tokens:
             self.picks["suffix"] += 1
         self._last = kind if found.tokens else None

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafting.base import Drafter, apply_delta, common_prefix
+from hetero_sd.drafting.base import Drafter, common_prefix
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
@@ -25,13 +25,13 @@ class ModelDrafter(Drafter):
     """Greedy drafts, or sampled ones (with their distributions q) when the request samples."""
 
     name = "model"
+    can_fork = True
 
     def __init__(self, runner: Runner, target_vocab: int, draft_desc: str = "draft model",
                  head_vocab: int | None = None):
         check_vocab(runner, target_vocab, draft_desc, head_vocab)
         self.runner, self.target_vocab = runner, target_vocab
         self._seq: int | None = None
-        self.context: list[int] = []
         self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
         self._sampler = None
 
@@ -46,26 +46,27 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         if self._seq is not None:
             self.runner.release(self._seq)
-        self._seq, self.context, self._cached, self._sampler, self._guide = None, [], [], None, None
+        self._seq, self._cached, self._sampler, self._guide = None, [], None, None
+        self.forget_context()
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
         self._seq = self.runner.allocate(capacity)
         self._sampler, self._guide = sampler, guide
 
-    def _sync(self) -> list[int]:
+    def _sync(self, context) -> list[int]:
         """Truncate the cache to the common prefix; return the tokens still to feed."""
         # always feed >= 1 token to get logits
-        common = min(common_prefix(self._cached, self.context), len(self.context) - 1)
+        common = min(common_prefix(self._cached, context), len(context) - 1)
         self.runner.truncate(self._seq, common)
         del self._cached[common:]
-        return self.context[common:]
+        return list(context[common:])
 
     def draft(self, req: DraftRequest) -> DraftResult:
-        apply_delta(self.context, req)
+        context = self.context_for(req)
         if self._seq is None:
             raise RuntimeError("ModelDrafter.begin must be called before draft")
-        feed, out, probs = self._sync(), [], []
+        feed, out, probs = self._sync(context), [], []
         # The guide is the engine's: the walk over the drafts is undone on the way out.
         with self._guide.walking() if self._guide is not None else nullcontext() as step:
             for _ in range(req.k):

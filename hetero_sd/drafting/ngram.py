@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 
-from hetero_sd.drafting.base import Drafter, apply_delta
+from hetero_sd.drafting.base import Drafter
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
@@ -17,6 +17,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"  # deterministic proposals: under sampling its q is one-hot (probs=None)
+    can_fork = True
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4):
         if not 1 <= min_ngram <= max_ngram:
@@ -35,13 +36,12 @@ class NgramDrafter(Drafter):
         self._guide = guide
 
     def reset(self) -> None:
-        self.context: list[int] = []
+        self.forget_context()
         self._indexed = 0  # positions e < _indexed have their preceding n-grams indexed
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
         self._guide = None
 
-    def _update_index(self) -> None:
-        ctx = self.context
+    def _update_index(self, ctx) -> None:
         # Entry (n-gram ending at e-1) -> e, the position of the token after it.
         for e in range(max(self._indexed, 1), len(ctx)):
             for n, table in self._index.items():
@@ -50,14 +50,12 @@ class NgramDrafter(Drafter):
         self._indexed = max(self._indexed, len(ctx))
 
     def draft(self, req: DraftRequest) -> DraftResult:
+        ctx = self.context_for(req)
         if req.base_len < self._indexed:  # rolled back past indexed tokens: rebuild
-            context, guide = apply_delta(self.context, req), self._guide
-            self.reset()
-            self.context, self._guide = context, guide
-        else:
-            apply_delta(self.context, req)
-        self._update_index()
-        ctx, best, best_valid = self.context, [], -1
+            self._indexed = 0
+            self._index = {n: {} for n in self._index}
+        self._update_index(ctx)
+        best, best_valid = [], -1
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ctx) < n:
                 continue

@@ -137,8 +137,8 @@ class Handler:
         if self.load_error is not None:  # every request learns why the worker cannot draft
             return error_reply(READY if ctl.op == HELLO else ACK, self.load_error)
         if ctl.op == HELLO:
-            runner = getattr(self.drafter, "runner", None)
-            context = getattr(runner, "max_context", 0)
+            runner = self.drafter.runner  # (Drafter.runner: None for a model-free drafter)
+            context = runner.max_context if runner is not None else 0
             return Reply(OK, READY, Control(READY, self.options.target_vocab, [context]).pack())
         if ctl.op == BEGIN:
             sampler = sampler_from_words(ctl.words)

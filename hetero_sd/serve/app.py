@@ -3,7 +3,7 @@
     state = ServerState(engine, "smollm2-135m", max_running=16, max_waiting=64)
     app = create_app(state)   # its lifespan starts the batch engine and closes the engine
 
-Requests become hetero_sd.serve.batch.Request objects; the batch engine calls
+Requests become hetero_sd.serve.batch.Submission objects; the batch engine calls
 back on its own thread with Events, which are handed to the request's asyncio
 queue with call_soon_threadsafe. A streamed response writes one SSE chunk per
 event with text (TextStream guarantees the deltas add up to the final text),
@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hetero_sd.errors import GenerationError, HeteroSDError
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.serve import protocol as p
-from hetero_sd.serve.batch import BatchEngine, Event, QueueFull, Request, ShuttingDown
+from hetero_sd.serve.batch import BatchEngine, Event, QueueFull, ShuttingDown, Submission
 from hetero_sd.serve.metrics import Metrics, placement
 
 log = logging.getLogger("hetero_sd.serve")
@@ -243,8 +243,8 @@ def _chat_ids(state: ServerState, body: p.ChatRequest) -> list[int]:
 
 
 def _to_request(state: ServerState, request: HTTPRequest, body: p._Generate, ids: list[int],
-                max_tokens: int | None) -> Request:
-    """A batch Request; absent fields take the engine's (the config's) defaults, as `generate` does,
+                max_tokens: int | None) -> Submission:
+    """A batch Submission; absent fields take the engine's (the config's) defaults, as `generate` does,
     and an absent priority the API key's."""
     engine, base = state.engine, state.engine.sampling
     top_k = base.top_k if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 means off
@@ -252,7 +252,7 @@ def _to_request(state: ServerState, request: HTTPRequest, body: p._Generate, ids
                             base.top_p if body.top_p is None else body.top_p,
                             base.seed if body.seed is None else body.seed)
     stops = body.stops()
-    return Request(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
+    return Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
                    list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
                    body.constraint())
 
@@ -266,7 +266,7 @@ def _priority(request: HTTPRequest, body: p._Generate) -> float:
 class _Pending:
     """One submitted request as the event loop sees it: its queue of Events."""
 
-    def __init__(self, state: ServerState, req: Request):
+    def __init__(self, state: ServerState, req: Submission):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.done = False

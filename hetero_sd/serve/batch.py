@@ -4,10 +4,11 @@ Requests join and leave the running set at step boundaries. A step:
   1. admits waiting requests (priority order, hetero_sd.scheduler.admission)
      while the target's KV pool has room, and prefills each alone, the same
      call `hetero-sd generate` makes;
-  2. lets every running request draft (its own drafter and draft length);
-  3. scores every request's rows in ONE batched target call (Runner.forward_batch,
+  2. lets every running request propose its step (its own drafter and draft length);
+  3. scores every request's step in ONE batched target call (Runner.forward_batch,
      each row rounding exactly as alone: the backends prove it bitwise);
   4. accepts and commits per request, and streams what each committed.
+Each request is a hetero_sd.request.Request, driven only through its phases.
 A request's output therefore equals its solo output token for token, whatever
 runs beside it; its sampler is its own, so a seed reproduces.
 
@@ -17,16 +18,14 @@ hands them to its event loop).
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hetero_sd.backends.base import BatchItem
 from hetero_sd.errors import GenerationError, HeteroSDError, KVBudgetError, describe
-from hetero_sd.failover import FailoverDrafter, NoFallback
+from hetero_sd.request import Request
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.scheduler.admission import AdmissionQueue, QueueFull
 from hetero_sd.scheduler.batch_cost import BatchCost
@@ -35,7 +34,7 @@ from hetero_sd.stopping import TextStream
 
 log = logging.getLogger("hetero_sd.serve")
 
-__all__ = ["BatchEngine", "Event", "Handle", "QueueFull", "Request", "ShuttingDown"]
+__all__ = ["BatchEngine", "Event", "Handle", "QueueFull", "ShuttingDown", "Submission"]
 
 
 class ShuttingDown(HeteroSDError):
@@ -43,7 +42,8 @@ class ShuttingDown(HeteroSDError):
 
 
 @dataclass
-class Request:
+class Submission:
+    """What a client asks the server for (the engine's Request is made at admission)."""
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
@@ -61,12 +61,12 @@ class Event:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    result: object = None  # hetero_sd.engine.GenerationResult on the final event
+    result: object = None  # hetero_sd.request.GenerationResult on the final event
     error: str | None = None
 
 
 class Handle:
-    def __init__(self, request: Request, on_event: Callable[[Event], None]):
+    def __init__(self, request: Submission, on_event: Callable[[Event], None]):
         self.request, self.on_event = request, on_event
         self.cancelled = False
         self.submitted = time.monotonic()
@@ -80,7 +80,7 @@ class Handle:
 @dataclass
 class _Live:
     handle: Handle
-    run: object  # hetero_sd.engine._Run
+    req: Request
     stream: TextStream
     cached: int = 0  # prompt positions copied from the prefix cache
     sent_tokens: int = 0
@@ -98,14 +98,14 @@ class BatchEngine:
                  ageing_s: float = 10.0, on_finish: Callable[[Handle, object], None] | None = None,
                  on_step: Callable[[int, int], None] | None = None, prefix_cache: int = 8):
         self.engine = engine
-        self.target = engine._target  # the FailoverRunner: a device failure moves the whole batch
+        self.target = engine.target_runner  # (a FailoverRunner: a device failure moves the whole batch)
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
         self.on_finish, self.on_step = on_finish, on_step  # on_step(sequences, rows) after each batched call
         self.cost = BatchCost()
         # Finished requests' KV kept for prompts that begin alike (prefix.py): only where
         # the runner can copy KV exactly; prefix_cache = how many sequences (0 = off).
-        self.prefix = PrefixCache(self.target, prefix_cache) if prefix_cache > 0 and hasattr(
-            self.target.current, "copy_prefix") else None
+        self.prefix = PrefixCache(self.target, prefix_cache) if prefix_cache > 0 and \
+            self.target.can_copy_prefix else None
         self._draft_s_per_token = 0.0
         self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
         self._running: list[_Live] = []
@@ -119,8 +119,7 @@ class BatchEngine:
     @property
     def speculative(self) -> bool:
         """Whether requests can speculate: the drafter can serve several sequences at once."""
-        drafter = self.engine.drafter
-        return drafter is not None and callable(getattr(drafter, "fork", None))
+        return self.engine.forks_drafter
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""
@@ -131,7 +130,7 @@ class BatchEngine:
         u = self.target.usage()
         return u.used_tokens / u.capacity_tokens if u.capacity_tokens else 0.0
 
-    def check(self, req: Request) -> None:
+    def check(self, req: Submission) -> None:
         """GenerationError (a client error, HTTP 400) for a request that can never run."""
         budget = self.engine.check_request(req.prompt_ids, req.max_new_tokens)
         n, ctx = len(req.prompt_ids), self.target.max_context
@@ -143,7 +142,7 @@ class BatchEngine:
             raise GenerationError(f"the request needs {n + budget} KV positions but the target's whole pool "
                                   f"holds {u.capacity_tokens} (memory.kv_budget); lower max_tokens or the prompt")
 
-    def submit(self, req: Request, on_event: Callable[[Event], None]) -> Handle:
+    def submit(self, req: Submission, on_event: Callable[[Event], None]) -> Handle:
         """Queue a request; GenerationError (400), QueueFull (429) or ShuttingDown (503) if it cannot."""
         self.check(req)
         handle = Handle(req, on_event)
@@ -219,42 +218,36 @@ class BatchEngine:
         return out
 
     def _new_live(self, handle: Handle) -> _Live:
-        req, engine = handle.request, self.engine
-        drafter = policy = None
-        if req.speculate and self.speculative:
-            drafter = FailoverDrafter(engine.drafter.fork(), NoFallback())
-            policy = copy.deepcopy(engine.policy)  # learnt costs carried over, acceptance per request
-            policy.reset()
+        sub = handle.request
         while True:
             try:
-                run = engine.new_run(req.prompt_ids, req.max_new_tokens, req.stop, req.sampling, req.constraint,
-                                     drafter, policy)
+                # Draft lengths are priced by the batch cost model (_price), not by this
+                # request's own timings, so a seeded sampled request draws the same
+                # tokens whatever runs beside it.
+                req = self.engine.request(sub.prompt_ids, sub.max_new_tokens, sub.stop, sub.sampling,
+                                          sub.constraint, speculate=sub.speculate, learn_timings=False,
+                                          concurrent=True)
                 break
             except KVBudgetError:  # the pool's room goes to running requests before cached prefixes
                 if self.prefix is None or not self.prefix.evict():
                     raise
         cached = 0
-        hit = self.prefix.find(req.prompt_ids) if self.prefix is not None else None
-        if hit is not None and hasattr(self.target.current, "copy_prefix"):  # (a failover may have moved it)
+        hit = self.prefix.find(sub.prompt_ids) if self.prefix is not None else None
+        if hit is not None and self.target.can_copy_prefix:  # (a failover may have moved it)
             try:
-                self.target.copy_prefix(hit.seq, run.seq, hit.length)
+                self.target.copy_prefix(hit.seq, req.seq, hit.length)
             except BaseException:
-                run.close()  # its sequence is freed; the request fails alone
+                req.close()  # its sequence is freed; the request fails alone
                 raise
             cached = hit.length
-        # Draft lengths are priced by the batch cost model (_price), not by this
-        # request's own timings; a sampled request keeps its policy's fixed prior,
-        # so its draft lengths follow acceptance alone and a seed reproduces
-        # whatever runs beside it.
-        run.timed = False
-        return _Live(handle, run, TextStream(run.stopper), cached)
+        return _Live(handle, req, TextStream(req.stopper), cached)
 
     def _step(self, admitted: list[_Live]) -> None:
         for live in admitted:
             if live.handle.cancelled:
                 continue
             try:
-                done = live.run.start(live.cached)  # the prefill: alone, as a solo run makes it
+                done = live.req.start(live.cached)  # the prefill: alone, as a solo run makes it
             except HeteroSDError as exc:  # this request's failure alone (the others go on)
                 self._end(live, "error", str(exc))
                 continue
@@ -265,29 +258,28 @@ class BatchEngine:
         self._price()
         batch = []
         for live in [x for x in self._running if x.started]:
-            rnd = live.run.plan()
-            if rnd is None:  # the context is full
+            step = live.req.propose()
+            if step is None:  # the context is full
                 self._publish(live, True)
             else:
-                batch.append((live, rnd))
+                batch.append((live, step))
         if not batch:
             return
-        rows = sum(len(r.tokens) for _, r in batch)
+        rows = sum(len(step.tokens) for _, step in batch)
         t0 = time.perf_counter()
-        logits = self.target.forward_batch([BatchItem(live.run.seq, r.tokens, r.start, len(r.tokens))
-                                            for live, r in batch])
+        logits = self.target.forward_batch([live.req.batch_item(step) for live, step in batch])
         seconds = time.perf_counter() - t0
         self.cost.observe(rows, seconds)
         self.steps += 1
         if self.on_step is not None:
             self.on_step(len(batch), rows)
-        drafted = sum(len(r.drafts) for _, r in batch)
+        drafted = sum(len(step.drafts) for _, step in batch)
         if drafted:
-            spent = sum(r.draft_s or 0.0 for _, r in batch)
+            spent = sum(live.req.last_draft_s or 0.0 for live, _ in batch)
             self._draft_s_per_token = 0.9 * self._draft_s_per_token + 0.1 * spent / drafted
-        for (live, rnd), out in zip(batch, logits):
-            share = self.cost.share(len(rnd.tokens), len(batch))
-            done = live.run.finish(rnd, live.run.score_logits(out), verify_s=share)
+        for (live, step), out in zip(batch, logits):
+            share = self.cost.share(len(step.tokens), len(batch))
+            done = live.req.accept(step, live.req.score_logits(out), verify_s=share)
             self._publish(live, done)
 
     def _price(self) -> None:
@@ -297,12 +289,10 @@ class BatchEngine:
         and the policy drafts less or stops (hetero_sd.scheduler.batch_cost)."""
         cost = self.cost.round_cost(len(self._running), self._draft_s_per_token)
         for live in self._running:
-            policy = live.run.policy
-            if live.run.sampler is None and hasattr(policy, "set_cost"):
-                policy.set_cost(cost)
+            live.req.set_round_cost(cost)
 
     def _publish(self, live: _Live, done: bool) -> None:
-        tokens = live.run.stopper.tokens
+        tokens = live.req.tokens
         if done:
             self._end(live, None)
             return
@@ -318,8 +308,8 @@ class BatchEngine:
         if live in self._running:
             self._running.remove(live)
         keep = self.prefix is not None and live.started and reason != "error"
-        seq = live.run.seq
-        result = live.run.close(release=not keep)
+        seq = live.req.seq
+        result = live.req.close(release=not keep)
         if keep:  # its KV may serve a later prompt that begins alike
             self.prefix.offer(seq, self.target.tokens(seq))
         reason = reason or result.stats.finish_reason or "stop"

@@ -46,7 +46,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, feature_layers, resolve
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, resolve
 from hetero_sd.ir.errors import BackendError, ConfigError
 
 ENV = "HETERO_SD_FAKE_BACKEND"  # the devices (JSON, or a YAML/JSON file)
@@ -291,7 +291,7 @@ class FakeBackend:
         return self._inner[name]
 
 
-class FakeRunner:
+class FakeRunner(Runner):
     """A wrapped runner plus declared costs and injected failures. Pool methods
     (allocate, truncate, ...) delegate untouched, so truncate stays O(1); only
     forward/greedy are counted, timed and made to fail."""
@@ -306,8 +306,10 @@ class FakeRunner:
         self.failures = 0  # calls that failed as injected
         self._costs, self._failure, self._on_fire = costs, failure, on_fire
         self._lock = threading.Lock()
-        if feature_layers(inner):  # hidden states (backends/base.py): the wrapped runner's, untouched
-            self.feature_layers, self.take_features = inner.feature_layers, inner.take_features
+        self.feature_layers = inner.feature_layers  # hidden states (backends/base.py): the wrapped runner's
+
+    def take_features(self, seq_id: int):
+        return self.inner.take_features(seq_id)
 
     def declared_costs(self) -> FakeCosts:
         return self._costs

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from hetero_sd.backends.base import BatchItem, batch_capacity, run_batch
+from hetero_sd.backends.base import BatchItem, Runner, run_batch
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir
 from helpers.tiny_models import random_prompt
@@ -41,7 +41,7 @@ def _batch(runner, rng, trial):
 @pytest.mark.parametrize("backend,precision,variant", CASES)
 def test_batched_rows_equal_solo_rows_bitwise(tiny_model_dir, backend, precision, variant):
     runner = _load(backend, tiny_model_dir(variant), precision)
-    assert batch_capacity(runner) > 1
+    assert runner.max_batch > 1
     rng = random.Random(7)
     for trial in range(5):
         items = _batch(runner, rng, trial)
@@ -76,8 +76,8 @@ def test_failed_batch_claims_no_position(tiny_model_dir):
     assert (runner.length(a), runner.length(b)) == (3, 3)
 
 
-class _Plain:
-    """A runner with no batched forward: run_batch loops over forward."""
+class _Plain(Runner):
+    """A runner that declares no batched forward (Runner's default): run_batch loops over forward."""
 
     def __init__(self):
         self.calls = []
@@ -86,10 +86,15 @@ class _Plain:
         self.calls.append(seq_id)
         return np.full((num_logits, 4), float(seq_id))
 
+    def _unused(self, *args):
+        raise AssertionError("run_batch calls forward alone")
+
+    allocate = greedy = truncate = length = release = usage = _unused
+
 
 def test_run_batch_falls_back_to_one_call_per_sequence():
     runner = _Plain()
-    assert batch_capacity(runner) == 1
+    assert runner.max_batch == 1
     out = run_batch(runner, [BatchItem(3, [1], 0, 1), BatchItem(9, [1, 2], 0, 2)])
     assert runner.calls == [3, 9]
     assert [o.shape for o in out] == [(1, 4), (2, 4)] and out[1][0, 0] == 9.0

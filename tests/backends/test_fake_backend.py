@@ -18,7 +18,6 @@ from hetero_sd.testing.fake_backend import (ENV, FakeBackend, FakeCosts, FakeDev
                                              FakePrecisionSpec, PLUGIN, spec_from_env)
 from hetero_sd.backends.registry import discover
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.engine import build_engine
 from hetero_sd.cli import main
 from hetero_sd.config import load_config
 from hetero_sd.drafting import ModelDrafter, NgramDrafter
@@ -313,7 +312,7 @@ def test_cli_generate_on_fake_devices_from_env(tiny_model_dir, tmp_path):
     got = json.loads(proc.stdout)
     torch_config = tmp_path / "torch.yaml"
     torch_config.write_text(body.format(t=target, m=draft, b="torch", d0="cpu", d1="cpu"))
-    engine = build_engine(load_config(torch_config))
+    engine = Engine.from_config(load_config(torch_config))
     want = engine.generate("the cat sat on the mat and the cat sat", chat_template=False)
     assert got["token_ids"] == want.token_ids and len(want.token_ids) == 12
     assert got["stats"]["drafted"] > 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo, feature_layers, run_batch
+from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo, run_batch
 from hetero_sd.backends.registry import Registry, discover
 from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.errors import BackendError, GenerationError, ModelLoadError
@@ -157,7 +157,7 @@ def test_logits_with_features_are_bitwise_the_logits_without(tiny_model_dir, bac
     got = []
     for layers in (None, LAYERS, (0,)):
         runner = _load(backend, folder, precision, layers)
-        assert feature_layers(runner) == (layers or ())
+        assert tuple(runner.feature_layers) == (layers or ())
         seq = runner.allocate(64)
         calls = [runner.forward(seq, tokens[:12], 0, 1), runner.forward(seq, tokens[12:18], 12, 6)]
         calls += [runner.forward(seq, [t], 18 + i, 1) for i, t in enumerate(tokens[18:])]
@@ -233,7 +233,7 @@ def test_loader_refuses_a_backend_that_cannot_return_features(tiny_model_dir):
     with pytest.raises(BackendError, match=r"target: backend 'plain' cannot return hidden states"):
         load(ModelSpec(folder, "plain", "cpu", "fp32", BUDGET, "target", features=(0, 1)))
     runner = load(ModelSpec(folder, "torch", "cpu", "fp32", BUDGET, "target", features=(0, 1)))
-    assert feature_layers(runner) == (0, 1)
+    assert tuple(runner.feature_layers) == (0, 1)
 
 
 def _fake(failing_after=None):
@@ -250,19 +250,19 @@ def test_failover_and_fake_runners_pass_features_through(tiny_model_dir):
     tokens = random_prompt(22, seed=6)
     ref = _hf_features(folder, tokens)
     fake = _fake().load(ir, "fake:1", "fp32", BUDGET)
-    assert feature_layers(fake) == LAYERS
-    assert feature_layers(_fake().load(load_model_ir(folder), "fake:1", "fp32", BUDGET)) == ()
+    assert tuple(fake.feature_layers) == LAYERS
+    assert tuple(_fake().load(load_model_ir(folder), "fake:1", "fp32", BUDGET).feature_layers) == ()
     for after in (1, 2, 4):  # the prefill, the verify, the second decode fails
         runner = FailoverRunner(_fake(after).load(ir, "fake:0", "fp32", BUDGET),
                                 RankedFallback(targets=[("fake:1", lambda: _fake().load(ir, "fake:1", "fp32",
                                                                                          BUDGET))]))
-        assert feature_layers(runner) == LAYERS
+        assert tuple(runner.feature_layers) == LAYERS
         other = runner.allocate(64)
         runner.forward(other, tokens[:3], 0, 3)  # its features are not taken before the failover
         seq = runner.allocate(64)
         feats = _steps(runner, seq, tokens)
         assert any("target moved to" in e for e in runner.take_events())
-        assert feature_layers(runner.current) == LAYERS
+        assert tuple(runner.current.feature_layers) == LAYERS
         np.testing.assert_allclose(np.concatenate(feats), ref, atol=1e-5, rtol=0)
         # the other sequence's call ran on the failed device: its features were carried over
         np.testing.assert_allclose(runner.take_features(other), ref[:3], atol=1e-5, rtol=0)

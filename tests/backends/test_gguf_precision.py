@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from hetero_sd.backends import onnx_weights
 from hetero_sd.backends.onnx_llama import build_llama_onnx
 from hetero_sd.backends.registry import discover
+from hetero_sd.ir.weights import WeightSource
 from hetero_sd.ir import load_model_ir, quant
 from helpers.gguf_mixes import encode
 from helpers.tiny_models import hf_logits, random_prompt
@@ -38,7 +39,9 @@ def _linear_model(blocks: quant.Blocks, path) -> None:
                                                             helper.make_opsetid("com.microsoft", 1)]), str(path))
 
 
-class _OneWeight:
+class _OneWeight(WeightSource):
+    has_blocks = True
+
     def __init__(self, blocks):
         self._blocks = blocks
 

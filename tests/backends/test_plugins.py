@@ -19,7 +19,6 @@ import pytest
 
 from hetero_sd.testing.fake_backend import ENV
 from hetero_sd.backends.registry import discover
-from hetero_sd.engine import build_engine
 from hetero_sd.config import load_config
 from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
@@ -30,7 +29,7 @@ from helpers.tiny_models import random_prompt
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 BROKEN = {  # entry point -> what its reason must say
     "broken-import": "ModuleNotFoundError: No module named 'hetero_sd_vendor_runtime_that_is_not_installed'",
-    "broken-version": "declares API version 2, this hetero-sd speaks 1",
+    "broken-version": "declares API version 3, this hetero-sd speaks 1 and 2",
     "broken-shape": "NotABackend is not a backend: no probe or load method",
     "broken-probe": "probe() raised OSError: driver not responding",
 }
@@ -83,7 +82,7 @@ def test_broken_plugins_are_skipped_with_reasons(registry):
         assert name not in registry.backends
         why = registry.broken[name]
         assert why.startswith("[hetero-sd-broken 0.1.0, hetero_sd_broken") and reason in why, why
-    with pytest.raises(BackendError, match="'broken-version' is installed but broken: .*API version 2"):
+    with pytest.raises(BackendError, match="'broken-version' is installed but broken: .*API version 3"):
         registry.get("broken-version")
     assert registry.get("torch").probe()  # the host goes on
 
@@ -196,7 +195,7 @@ def test_dummy_from_yaml_config(registry, tiny_model_dir, tmp_path, monkeypatch)
     path.write_text(f"target: {{model: {tiny_model_dir('llama')}, backend: dummy, device: dummy:0}}\n"
                     f"drafter: {{kind: model, model: {tiny_model_dir('llama', seed=1)}, backend: dummy, "
                     "device: dummy, k: 4}\nmemory: {kv_budget: 1MiB}\n")
-    engine = build_engine(load_config(path))
+    engine = Engine.from_config(load_config(path))
     assert sorted(loaded) == sorted([(tiny_model_dir("llama"), "dummy:0"), (tiny_model_dir("llama", seed=1), "dummy:0")])
     prompt = random_prompt(12, seed=8)
     spec, base = engine.generate_ids(prompt, 24), engine.generate_ids(prompt, 24, target_only=True)

@@ -1,8 +1,8 @@
-"""The README's steps for two machines, as far as one machine allows: a head
+"""The steps for two machines in docs/processes-and-ray.md, as far as one machine allows: a head
 started with `ray start --head`, a second node joining it with `ray start
 --address` (its own raylet, resources and label), `hetero-sd generate`
 placing the target on the head's resource and the drafter on the other
-node's label, then `ray stop`; with token authentication on, as the README
+node's label, then `ray stop`; with token authentication on, as the page
 advises: every `ray start` and the engine get RAY_AUTH_MODE=token and the
 same token (on two machines, the head's token file copied over)."""
 from __future__ import annotations

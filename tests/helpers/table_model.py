@@ -22,12 +22,12 @@ import hashlib
 
 import numpy as np
 
-from hetero_sd.backends.base import DeviceInfo, PrecisionInfo
+from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, Runner
 
 _PREC = PrecisionInfo("fp64", True, "table lookup")
 
 
-class TableRunner:
+class TableRunner(Runner):
     def __init__(self, vocab: int, seed: int, noise: float = 0.0, noise_seed: int = 1,
                  scale: float = 1.5, features: int = 0):
         self.vocab_size, self.max_context = vocab, 1 << 20

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.cli import main
 from hetero_sd.config import load_config
 from hetero_sd.errors import (
@@ -172,7 +172,7 @@ def _run_api(case: Case, path: Path) -> None:
     cfg = load_config(path)
     if case.stage == "load":
         return
-    engine = build_engine(cfg)
+    engine = Engine.from_config(cfg)
     if case.stage == "build":
         return
     engine.generate(case.prompt, chat_template=False if case.cli_args else None)
@@ -209,7 +209,7 @@ def test_cli_exits_2_with_one_error_line(case, tmp_path, llama_dir, small_vocab_
 
 # ------------------------------------------------------------------ direct API checks
 def test_prompt_of_max_position_embeddings_tokens(tmp_path, llama_dir):
-    engine = build_engine(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir), "ok.yaml")))
+    engine = Engine.from_config(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir), "ok.yaml")))
     limit = engine.target.max_context
     assert limit == 256
     msg = error_of(lambda: engine.generate_ids([5] * limit), GenerationError)
@@ -220,7 +220,7 @@ def test_prompt_of_max_position_embeddings_tokens(tmp_path, llama_dir):
 
 
 def test_empty_prompt_and_zero_budget(tmp_path, llama_dir):
-    engine = build_engine(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir), "ok.yaml")))
+    engine = Engine.from_config(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir), "ok.yaml")))
     assert "the prompt is empty" in error_of(lambda: engine.generate_ids([]), GenerationError)
     msg = error_of(lambda: engine.generate_ids([5, 6], max_new_tokens=0), GenerationError)
     assert "max_new_tokens must be >= 1, got 0" in msg
@@ -228,7 +228,7 @@ def test_empty_prompt_and_zero_budget(tmp_path, llama_dir):
 
 def test_kv_budget_error_is_a_backend_error_and_the_pool_recovers(tmp_path, llama_dir):
     # 8KiB at 512 bytes a position (2 layers x 2 KV heads x 16 dims x K,V x fp32) = 16 positions.
-    engine = build_engine(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir, memory="kv_budget: 8KiB"))))
+    engine = Engine.from_config(load_config(write_yaml(tmp_path, tiny_yaml(llama_dir, memory="kv_budget: 8KiB"))))
     assert engine.target.usage().capacity_tokens == 16
     msg = error_of(lambda: engine.generate_ids(list(range(4, 24)), max_new_tokens=4), KVBudgetError)
     assert "memory.kv_budget" in msg and "needs" in msg and "16 of 16 are free" in msg

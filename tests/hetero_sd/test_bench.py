@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetero_sd.bench.__main__ import main
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.config import load_config
 
 MAX_NEW = 10
@@ -43,7 +43,7 @@ def bench(capsys, *argv) -> dict:
 
 def target_only_ids(config, prompts, max_new) -> dict[str, list[int]]:
     """Our target-only greedy ids, computed without the bench (EOS ignored, chat template on)."""
-    engine = build_engine(load_config(config))
+    engine = Engine.from_config(load_config(config))
     engine.eos_ids = set()
     return {p["id"]: engine.generate_ids(engine.encode(p["prompt"], chat_template=True), max_new,
                                          target_only=True).token_ids for p in prompts}

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.config import load_config
 from hetero_sd.errors import ConfigError
 
@@ -26,11 +26,11 @@ def test_same_size_different_tokenizer_is_refused(tiny_model_dir, tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids mean different text
     (draft / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ConfigError, match="different tokenizer"):
-        build_engine(load_config(_write(tmp_path, tiny_model_dir("llama"), draft)))
+        Engine.from_config(load_config(_write(tmp_path, tiny_model_dir("llama"), draft)))
 
 
 def test_draft_model_with_same_tokenizer_builds_and_is_lossless(tiny_model_dir, tmp_path):
-    engine = build_engine(load_config(_write(tmp_path, tiny_model_dir("llama"), tiny_model_dir("llama", seed=1))))
+    engine = Engine.from_config(load_config(_write(tmp_path, tiny_model_dir("llama"), tiny_model_dir("llama", seed=1))))
     prompt = list(range(5, 25))
     spec, base = engine.generate_ids(prompt, 20), engine.generate_ids(prompt, 20, target_only=True)
     assert spec.stats.mode == "model" and spec.stats.drafted > 0

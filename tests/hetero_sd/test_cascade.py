@@ -11,7 +11,6 @@ import pytest
 
 
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.engine import build_engine
 from hetero_sd.drafting import CascadeDrafter
 from hetero_sd.config import load_config
 from hetero_sd.drafting import ModelDrafter, NgramDrafter
@@ -192,7 +191,7 @@ def _yaml(tmp_path, target, drafter: str):
 def test_yaml_cascade_builds_the_stages_in_order(paths, tmp_path):
     text = (f"{{kind: model, model: {paths['other']}, precision: fp32, k: 5, "
             f"stages: [{{{NEAR_YAML}, k: 4}}, {{model: {paths['other']}, {NEAR_YAML}, k: 2}}]}}")
-    engine = build_engine(load_config(_yaml(tmp_path, paths["target"], text)))
+    engine = Engine.from_config(load_config(_yaml(tmp_path, paths["target"], text)))
     outer = engine.drafter
     assert isinstance(outer, CascadeDrafter) and outer.k_inner == 4  # stages.0: next to the target
     assert isinstance(outer.inner, CascadeDrafter) and outer.inner.k_inner == 2
@@ -206,7 +205,7 @@ def test_yaml_cascade_builds_the_stages_in_order(paths, tmp_path):
 
 def test_yaml_cascade_with_a_worker_stage(paths, tmp_path):
     text = f"{{kind: ngram, min_ngram: 1, k: 4, stages: [{{{NEAR_YAML}, k: 3, process: worker, threads: 1}}]}}"
-    engine = build_engine(load_config(_yaml(tmp_path, paths["target"], text)))
+    engine = Engine.from_config(load_config(_yaml(tmp_path, paths["target"], text)))
     try:
         assert isinstance(engine.drafter, RemoteDrafter)
         assert isinstance(engine.drafter.spec, CascadeSpec) and isinstance(engine.drafter.spec.inner, NgramSpec)
@@ -229,7 +228,7 @@ def test_yaml_cascade_with_a_worker_stage(paths, tmp_path):
 ])
 def test_yaml_cascade_errors_name_the_key(paths, tmp_path, drafter, words):
     with pytest.raises((ConfigError, BackendError)) as err:
-        build_engine(load_config(_yaml(tmp_path, paths["target"], drafter)))
+        Engine.from_config(load_config(_yaml(tmp_path, paths["target"], drafter)))
     for word in words:
         assert word in str(err.value), str(err.value)
 

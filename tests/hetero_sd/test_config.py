@@ -205,13 +205,13 @@ def test_absolute_and_home_model_paths(tmp_path, monkeypatch):
 
 
 def test_build_engine_uses_the_yaml_relative_model_path(tmp_path, monkeypatch, tiny_model_dir):
-    from hetero_sd.engine import build_engine
+    from hetero_sd.engine import Engine
 
     shutil.copytree(tiny_model_dir("llama"), tmp_path / "project" / "models" / "tiny")
     cfg_path = write(tmp_path / "project" / "conf" / "tiny.yaml",
                      "target:\n  model: ../models/tiny\ngeneration:\n  max_new_tokens: 3\n")
     monkeypatch.chdir(tmp_path)  # not the YAML's folder
-    engine = build_engine(load_config(cfg_path))
+    engine = Engine.from_config(load_config(cfg_path))
     result = engine.generate_ids([0, 10, 20, 30])
     assert len(result.token_ids) <= 3
     assert result.stats.finish_reason in ("length", "eos")

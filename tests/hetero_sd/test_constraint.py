@@ -214,6 +214,7 @@ def test_a_failing_drafter_costs_no_output():
 
 class _Legacy(NgramDrafter):
     name = "legacy"
+    takes_guide = False  # declared: written to the contract before guides
 
     def begin(self, capacity, sampler=None):  # the contract before guides existed
         super().begin(capacity, sampler)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_sd.engine import build_engine
+from hetero_sd.engine import Engine
 from hetero_sd.config import PACKAGED, load_config
 
 ALL = sorted(p.name for p in PACKAGED.glob("*.yaml"))
@@ -44,7 +44,7 @@ def test_runs_losslessly_here(name, tiny_gguf):
 
     overrides = OVERRIDES.get(name) or (_big_model_overrides(name, tiny_gguf) if name.startswith("qwen") else None)
     affinity = os.sched_getaffinity(0)
-    engine = build_engine(load_config(PACKAGED / name, overrides))
+    engine = Engine.from_config(load_config(PACKAGED / name, overrides))
     try:
         assert (engine.plan is not None) == (name == "auto.yaml")
         prompt = "Repeat exactly: red green blue, red green blue, red green blue."

@@ -123,11 +123,11 @@ def test_earlier_outputs_raise_acceptance_and_clear_global_forgets_them(tiny_mod
 
 def test_yaml_suffix_drafter_in_a_worker_keeps_its_global_tree(tiny_model_dir, tmp_path, one_torch_thread):
     from hetero_sd.drafting.remote import RemoteDrafter
-    from hetero_sd.engine import build_engine
+    from hetero_sd.engine import Engine
 
     cfg = load_config(_yaml(tmp_path, "{kind: suffix, k: 4, process: worker, transport: pipe, mode: async, "
                                       "threads: 1}", model=tiny_model_dir("llama")))
-    engine = build_engine(cfg)
+    engine = Engine.from_config(cfg)
     try:
         assert isinstance(engine.drafter, RemoteDrafter)
         prompt = _prompts(2, seed=5)[1]
@@ -142,9 +142,9 @@ def test_yaml_suffix_drafter_in_a_worker_keeps_its_global_tree(tiny_model_dir, t
 
 
 def test_yaml_suffix_drafter_in_process_persists_across_requests(tiny_model_dir, tmp_path):
-    from hetero_sd.engine import build_engine
+    from hetero_sd.engine import Engine
 
-    engine = build_engine(load_config(_yaml(tmp_path, "{kind: suffix, k: 4, suffix_cache_requests: 1}",
+    engine = Engine.from_config(load_config(_yaml(tmp_path, "{kind: suffix, k: 4, suffix_cache_requests: 1}",
                                             model=tiny_model_dir("llama"))))
     drafter = engine.drafter
     assert isinstance(drafter, SuffixDrafter)
@@ -183,7 +183,7 @@ def test_batched_requests_fork_the_drafter_and_share_its_global_tree(tiny_model_
     from hetero_sd.backends.registry import discover
     from hetero_sd.engine import Engine
     from hetero_sd.ir import load_model_ir
-    from hetero_sd.serve.batch import BatchEngine, Request
+    from hetero_sd.serve.batch import BatchEngine, Submission
     from helpers.tiny_models import make_tokenizer
 
     target = discover().get("onnxruntime").load(load_model_ir(tiny_model_dir("llama")), "cpu", "fp32", 8 << 20)
@@ -204,9 +204,9 @@ def test_batched_requests_fork_the_drafter_and_share_its_global_tree(tiny_model_
             batch.shutdown(drain_s=60)
         return [events[-1].result for _, events in done]
 
-    first = serve([Request(p, 20) for p in prompts])
+    first = serve([Submission(p, 20) for p in prompts])
     assert len(drafter.global_tree.order) == 4  # every fork's output joined the shared tree
-    again = serve([Request(p, 20) for p in prompts])
+    again = serve([Submission(p, 20) for p in prompts])
     for prompt, a, b in zip(prompts, first, again):
         want = engine.generate_ids(prompt, 20, target_only=True).token_ids
         assert a.token_ids == b.token_ids == want

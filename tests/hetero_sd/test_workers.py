@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from hetero_sd.backends.torch_backend import TorchBackend
-from hetero_sd.engine import build_engine
 from hetero_sd.config import load_config
 from hetero_sd.drafting import ModelDrafter
 from hetero_sd.engine import Engine
@@ -299,7 +298,7 @@ def _yaml(tmp_path, model, drafter: str):
 def test_yaml_worker_drafter_builds_and_is_lossless(paths, tmp_path):
     cfg = load_config(_yaml(tmp_path, paths["target"], f"{{kind: model, {NEAR_YAML}, k: 3, process: worker, "
                                                         "transport: tcp, mode: async, threads: 1}"))
-    engine = build_engine(cfg)
+    engine = Engine.from_config(cfg)
     try:
         assert isinstance(engine.drafter, RemoteDrafter) and engine.drafter.mode == "async"
         prompt = random_prompt(10, seed=4)
@@ -337,7 +336,7 @@ def test_cpus_split_the_cores_between_worker_and_target(paths, tmp_path):
     worker_cpu = max(mine)
     cfg = load_config(_yaml(tmp_path, paths["target"], f"{{kind: model, {NEAR_YAML}, k: 3, process: worker, "
                                                         f"cpus: [{worker_cpu}]}}"))
-    engine = build_engine(cfg)
+    engine = Engine.from_config(cfg)
     try:
         assert os.sched_getaffinity(0) == mine - {worker_cpu}
         assert os.sched_getaffinity(engine.drafter.pid) == {worker_cpu}
@@ -357,7 +356,7 @@ def test_cpus_that_leave_the_target_nothing_are_refused(paths, tmp_path):
         cfg = load_config(_yaml(tmp_path, paths["target"], f"{{kind: model, {NEAR_YAML}, process: worker, "
                                                             f"cpus: {cpus}}}"))
         with pytest.raises(ConfigError, match=words):
-            build_engine(cfg)
+            Engine.from_config(cfg)
         assert sorted(os.sched_getaffinity(0)) == mine
     with pytest.raises(ConfigError, match="drafter.cpus applies to a drafter in its own process"):
         load_config(_yaml(tmp_path, paths["target"], "{kind: model, cpus: [0]}"))

@@ -62,7 +62,7 @@ def test_gguf_source_gives_blocks_with_llama_rows_unpermuted(tiny_model_dir, tin
 
 
 def test_shaped_gguf_helper_writes_a_loadable_model(tmp_path):
-    """The helper behind the 7B-shaped memory figures (README): streamed
+    """The helper behind the 7B-shaped memory figures (docs/bigger-models.md): streamed
     random blocks in a Q4_K_M mix, loadable and finite on the gguf path."""
     from hetero_sd.backends.registry import discover
     from helpers.shaped_gguf import write_shaped_gguf

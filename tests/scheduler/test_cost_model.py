@@ -147,7 +147,7 @@ def test_placement_round_trips_through_text():
 
 
 def test_scheduler_never_imports_tensor_libraries_or_backends():
-    """The scheduler reasons over numbers (the layering in README): no torch, numpy or backend import in its files."""
+    """The scheduler reasons over numbers (the layering in docs/architecture.md): no torch, numpy or backend import in its files."""
     banned = ("torch", "numpy", "hetero_sd.backends", "onnxruntime", "openvino")
     for path in sorted(SCHEDULER_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

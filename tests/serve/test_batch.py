@@ -15,7 +15,7 @@ from hetero_sd.drafting import NgramDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.ir import load_model_ir
 from hetero_sd.sampling import SamplingParams
-from hetero_sd.serve.batch import BatchEngine, QueueFull, Request
+from hetero_sd.serve.batch import BatchEngine, QueueFull, Submission
 from hetero_sd.errors import GenerationError
 from helpers.tiny_models import make_tokenizer, random_prompt
 
@@ -72,7 +72,7 @@ def _serve(engine, requests, max_running=32, stagger=3):
 def test_batched_greedy_equals_solo_target_only(tiny_model_dir, backend, precision):
     engine = _engine(tiny_model_dir("llama"), backend, precision)
     rng = random.Random(5)
-    requests = [Request(_prompt(rng, i), rng.randint(4, 30)) for i in range(16)]
+    requests = [Submission(_prompt(rng, i), rng.randint(4, 30)) for i in range(16)]
     batch, collectors = _serve(engine, requests)
     assert batch.steps < sum(r.max_new_tokens for r in requests)  # rounds were shared
     drafted = accepted = 0
@@ -91,14 +91,14 @@ def test_batched_greedy_equals_solo_target_only(tiny_model_dir, backend, precisi
 def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny_model_dir):
     engine = _engine(tiny_model_dir("llama"), "onnxruntime", "fp32")
     rng = random.Random(9)
-    sampled = [Request(_prompt(rng, i), 20, SamplingParams(temperature=0.9, top_k=20, seed=i)) for i in range(6)]
+    sampled = [Submission(_prompt(rng, i), 20, SamplingParams(temperature=0.9, top_k=20, seed=i)) for i in range(6)]
     alone = [_serve(engine, [r])[1][0].result.token_ids for r in sampled]
-    others = [Request(_prompt(rng, 50 + i), rng.randint(5, 25)) for i in range(10)]
+    others = [Submission(_prompt(rng, 50 + i), rng.randint(5, 25)) for i in range(10)]
     _, together = _serve(engine, sampled[:3] + others + sampled[3:], stagger=4)
     got = [c.result.token_ids for c in together[:3] + together[-3:]]
     assert got == alone
     # a target-only sampled request equals `generate --target-only` with the same seed
-    plain = Request(_prompt(rng, 99), 20, SamplingParams(temperature=0.8, seed=3), speculate=False)
+    plain = Submission(_prompt(rng, 99), 20, SamplingParams(temperature=0.8, seed=3), speculate=False)
     _, served = _serve(engine, [plain] + others[:4])
     solo = engine.generate_ids(plain.prompt_ids, 20, target_only=True, sampling=plain.sampling)
     assert served[0].result.token_ids == solo.token_ids
@@ -107,7 +107,7 @@ def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny_model_dir):
 def test_runner_without_batched_forward_is_served_one_call_per_sequence(tiny_model_dir):
     engine = _engine(tiny_model_dir("llama"), "openvino", "fp32")
     rng = random.Random(3)
-    requests = [Request(_prompt(rng, i), 12) for i in range(5)]
+    requests = [Submission(_prompt(rng, i), 12) for i in range(5)]
     _, collectors = _serve(engine, requests)
     for req, c in zip(requests, collectors):
         assert c.result.token_ids == engine.generate_ids(req.prompt_ids, 12, target_only=True).token_ids
@@ -118,15 +118,15 @@ def test_admission_errors_and_queue_bound(tiny_model_dir):
     batch = BatchEngine(engine, max_running=1, max_waiting=2)  # not started: requests stay queued
     cap = engine.target.usage().capacity_tokens
     with pytest.raises(GenerationError, match="empty"):
-        batch.submit(Request([], 5), _Collector())
+        batch.submit(Submission([], 5), _Collector())
     with pytest.raises(GenerationError, match="context"):
-        batch.submit(Request([1, 2, 3], engine.target.max_context), _Collector())
+        batch.submit(Submission([1, 2, 3], engine.target.max_context), _Collector())
     with pytest.raises(GenerationError, match="pool"):
-        batch.submit(Request([1, 2, 3], cap), _Collector())
-    batch.submit(Request([1, 2, 3], 4), _Collector())
-    batch.submit(Request([1, 2, 3], 4), _Collector())
+        batch.submit(Submission([1, 2, 3], cap), _Collector())
+    batch.submit(Submission([1, 2, 3], 4), _Collector())
+    batch.submit(Submission([1, 2, 3], 4), _Collector())
     with pytest.raises(QueueFull) as full:
-        batch.submit(Request([1, 2, 3], 4), _Collector())
+        batch.submit(Submission([1, 2, 3], 4), _Collector())
     assert full.value.retry_after >= 1
 
 
@@ -141,7 +141,7 @@ def test_draft_model_forks_per_request(tiny_model_dir):
     engine = Engine(engine.target, ModelDrafter(draft_runner, engine.target.vocab_size), k=3,
                     tokenizer=engine.tokenizer)
     rng = random.Random(11)
-    requests = [Request(_prompt(rng, i), rng.randint(5, 20)) for i in range(6)]
+    requests = [Submission(_prompt(rng, i), rng.randint(5, 20)) for i in range(6)]
     _, collectors = _serve(engine, requests)
     for req, c in zip(requests, collectors):
         assert c.result.token_ids == engine.generate_ids(req.prompt_ids, req.max_new_tokens,
@@ -160,7 +160,7 @@ def test_constrained_requests_batched_equal_solo(tiny_model_dir):
               "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}}
     constraints = [Constraint.json_schema(schema), Constraint.regex(r"[a-z]{3}-[0-9]{2}"), None]
     rng = random.Random(13)
-    requests = [Request(_prompt(rng, i), 30, constraint=constraints[i % 3]) for i in range(9)]
+    requests = [Submission(_prompt(rng, i), 30, constraint=constraints[i % 3]) for i in range(9)]
     _, collectors = _serve(engine, requests)
     for req, c in zip(requests, collectors):
         solo = engine.generate_ids(req.prompt_ids, 30, target_only=True, constraint=req.constraint)
@@ -187,7 +187,7 @@ def test_prefix_cache_reuses_kv_exactly(tiny_model_dir):
             for wave in waves:
                 collectors = [_Collector() for _ in wave]
                 for prompt, c in zip(wave, collectors):
-                    batch.submit(Request(prompt, 12), c)
+                    batch.submit(Submission(prompt, 12), c)
                 for prompt, c in zip(wave, collectors):
                     assert c.done.wait(120)
                     assert c.result.token_ids == solo[tuple(prompt)]
