@@ -114,11 +114,13 @@ class PlanFallback:
 
 def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     """(EngineSpec, draft-length policy, PlanFallback, plan) for placement: auto.
-    target_only: plan the target alone (no draft model is resolved, profiled or loaded)."""
+    target_only: the full plan's target placement, without its drafter (a baseline
+    must run the target the speculative run verifies on, or its outputs are not
+    comparable); the plan reads the cached profile, and no draft model loads."""
     d = cfg.drafter
     target_path = model_path(cfg, cfg.target.model)
-    draft_path = model_path(cfg, d.model) if d.kind in ("auto", "model") and not target_only else None
-    rules = Constraints(_pinned(cfg.target, load), drafter="none") if target_only else constraints(cfg, load)
+    draft_path = model_path(cfg, d.model) if d.kind in ("auto", "model") else None
+    rules = constraints(cfg, load)
     plan = auto_plan(target_path, draft_path, constraints=rules,
                      acceptance=dict(cfg.auto.acceptance) or None, k_max=d.k_max,
                      workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
@@ -138,8 +140,10 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     fallback = PlanFallback(plan, lambda placement: load(model_spec(target_path, placement, "target")),
                             lambda candidate: build_drafter(drafter_spec(candidate), vocab, load))
     chosen = plan.best if plan.best.k > 0 else None
-    if chosen is None and d.k == "auto" and not target_only:  # an adaptive k may turn speculation on later
+    if chosen is None and d.k == "auto":  # an adaptive k may turn speculation on later
         chosen = plan.speculative_for(plan.best.target)
+    if target_only:
+        chosen = None
     spec = EngineSpec(model_spec(target_path, plan.best.target, "target"),
                       None if chosen is None else drafter_spec(chosen), d.k, d.k_max)
     policy = plan.adaptive_policy() if d.k == "auto" else FixedDraftLength(d.k)

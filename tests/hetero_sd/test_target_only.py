@@ -83,27 +83,60 @@ def test_cli_target_only_skips_an_unknown_draft_name(tiny_model_dir, tmp_path, c
     assert main(args + ["--target-only"]) == 0
 
 
-def test_auto_placement_target_only_profiles_no_draft(tiny_model_dir, tmp_path, monkeypatch, spy):
+# Two fake devices: fake:0 decodes faster, fake:1 verifies drafts far cheaper (and computes
+# in bf16, so a baseline on the wrong device would not even produce the same tokens).
+_TWO_DEVICES = {"simulate_time": False, "devices": [
+    {"device": "fake:0", "costs": {"decode_per_token_s": 0.004, "verify_base_s": 0.004,
+                                   "verify_per_token_s": 0.004, "prefill_per_token_s": 1e-5}},
+    {"device": "fake:1", "precisions": [{"name": "fp32", "runs_as": "bf16"}],
+     "costs": {"decode_per_token_s": 0.005, "verify_base_s": 0.005, "verify_per_token_s": 0.0002,
+               "prefill_per_token_s": 1e-5}}]}
+
+
+def test_auto_placement_target_only_keeps_the_plans_target(tiny_model_dir, tmp_path, monkeypatch, spy, capsys):
+    """--target-only runs the target the full plan verifies on, not a plan of its own
+    (which would pick the faster decoder): the baseline's output is what the
+    speculative run must equal. No draft model loads for it."""
     monkeypatch.setattr(profiler, "measure_runner", declared_figures)  # declared costs, no clock
-    monkeypatch.setenv(ENV, json.dumps({"simulate_time": False, "devices": [
-        {"device": "fake:0", "costs": {"decode_per_token_s": 0.004, "verify_base_s": 0.004,
-                                       "prefill_per_token_s": 1e-5}}]}))
-    planned = []
-    real = auto.auto_plan
-    monkeypatch.setattr(auto, "auto_plan", lambda target, draft, **kw: planned.append((draft, kw["constraints"]))
-                        or real(target, draft, **kw))
-    draft = tiny_model_dir("llama", seed=1)
-    cfg = load_config(_yaml(tmp_path, tiny_model_dir("llama"), f"kind: model, model: {draft}, k: 3",
-                            "placement: auto\nauto: {quick: true, backends: [fake], precisions: [fp32]}\n"))
+    monkeypatch.setenv(ENV, json.dumps(_TWO_DEVICES))
+    cfg_path = _yaml(tmp_path, tiny_model_dir("llama"), f"kind: ngram, k: auto",
+                     "placement: auto\nauto: {quick: true, backends: [fake], precisions: [fp32]}\n")
+    cfg = load_config(cfg_path)
     full = Engine.from_config(cfg)
-    assert planned[0][0] == str(draft) and full.drafter is not None and "draft model" in spy["loaded"]
-    planned.clear(), spy["loaded"].clear(), spy["drafters"].clear()
+    assert full.target.device.device == "fake:1" and full.drafter is not None
+    alone_first = min((c for c in full.plan.ranked if c.k == 0), key=lambda c: -c.tokens_per_s)
+    assert alone_first.target.device == "fake:0"  # the placement a target-only plan would have taken
+    spy["loaded"].clear(), spy["drafters"].clear()
     alone = Engine.from_config(cfg, target_only=True)
-    (draft_arg, rules), = planned
-    assert draft_arg is None and rules.drafter == "none"
-    assert alone.drafter is None and spy["drafters"] == [] and set(spy["loaded"]) <= {"target"}
-    assert alone.plan.best.k == 0
-    assert alone.generate_ids(PROMPT).token_ids == full.generate_ids(PROMPT, target_only=True).token_ids
+    assert alone.target.device.device == full.target.device.device
+    assert alone.target.precision == full.target.precision
+    assert alone.drafter is None and spy["drafters"] == [] and spy["loaded"] == ["target"]
+    assert alone.generate_ids(PROMPT).token_ids == full.generate_ids(PROMPT).token_ids
+    assert main(["generate", "--config", cfg_path, "--target-only", "--explain", "--prompt", "hi",
+                 "--no-chat-template", "--json"]) == 0
+    assert "--target-only: fake:fake:1/fp32 alone" in capsys.readouterr().err
+
+
+def test_auto_yaml_target_only_is_the_speculative_runs_target(smollm2_gguf):
+    """configs/auto.yaml (the splitter narrowed to onnxruntime, quick, so the test
+    profiles in seconds): the baseline runs on the plan's target, and every
+    packaged prompt's greedy output equals the speculative run's."""
+    from hetero_sd.bench.prompts import load_prompts
+    from hetero_sd.config import PACKAGED
+
+    overrides = {"auto.backends": ["onnxruntime"], "auto.quick": True, "generation.max_new_tokens": 24}
+    cfg = load_config(PACKAGED / "auto.yaml", overrides)
+    spec = Engine.from_config(cfg)
+    alone = Engine.from_config(cfg, target_only=True)
+    assert (alone.target.device, alone.target.precision) == (spec.target.device, spec.target.precision)
+    assert alone.drafter is None and spec.drafter is not None
+    prompts = load_prompts()
+    assert len(prompts) >= 10
+    for prompt in prompts:
+        want = alone.generate(prompt.prompt)
+        got = spec.generate(prompt.prompt)
+        assert got.token_ids == want.token_ids, prompt.id
+        assert want.stats.mode == "target-only" and got.stats.mode != "target-only"
 
 
 def test_a_speculative_engine_still_runs_target_only_requests(tiny_model_dir, tmp_path):
