@@ -4,13 +4,16 @@ public API, the way a plugin author would write one.
 What a plugin provides (see hetero_sd.backends.base):
 - a Backend class with `name`, `api_version = API_VERSION`, a cheap `probe()`
   listing its devices and precisions, and `load()` returning a Runner;
-- a Runner with its own KV pool: allocate / forward / greedy / truncate (O(1))
-  / length / release / usage;
+- a Runner (a subclass of hetero_sd.backends.base.Runner, API version 2) with its
+  own KV pool: allocate / forward / greedy / truncate (O(1)) / length / release /
+  usage; the optional capabilities (batched forward, hidden states, prefix copy)
+  are declared on Runner with their defaults, so leaving them out is declaring
+  none;
 - an entry point in the `hetero_sd.backends` group (pyproject.toml).
 
 Building blocks it reuses instead of writing them again:
 - `hetero_sd.backends.base.resolve` to match the device and precision strings;
-- `hetero_sd.backends.pool.ExtentAllocator` / `PooledRunner` for the pool's
+- `hetero_sd.backends.pool.ExtentAllocator` / `PooledRunner` (a Runner) for the pool's
   bookkeeping (which positions belong to which sequence; truncate is a length
   change), so only the buffers and the forward are the plugin's own;
 - the model IR: `model.config` for shapes, `model.iter_weights()` for the
