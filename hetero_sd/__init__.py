@@ -6,12 +6,12 @@
     print(result.text, result.stats.summary())
 """
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResult", "__version__"]
+__all__ = ["Engine", "GenerationResult", "Request", "__version__"]
 
 
 def __getattr__(name):
     # Lazy so that `import hetero_sd.ir` (used by backends) never pulls the engine in.
-    if name in ("Engine", "GenerationResult"):
+    if name in ("Engine", "GenerationResult", "Request"):
         from hetero_sd import engine
 
         return getattr(engine, name)

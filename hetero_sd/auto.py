@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import sys
 
+from hetero_sd.backends.base import Runner
 from hetero_sd.config import Config
 from hetero_sd.drafting.build import build_drafter
 from hetero_sd.drafting.specs import ModelSpec, NgramSpec
-from hetero_sd.errors import BackendError
+from hetero_sd.errors import BackendError, ConfigError, ModelLoadError
 from hetero_sd.failover import where
 from hetero_sd.loading import Loader
 from hetero_sd.profiler import auto_plan
@@ -89,7 +90,7 @@ class PlanFallback:
 
     def next_drafter(self, failed, error):
         runner = failed.runner  # (Drafter.runner)
-        if runner is None:  # the n-gram drafter has no device to exclude
+        if not isinstance(runner, Runner):  # the n-gram drafter has no device to exclude
             return None
         try:
             self.plan = replan(self.plan, failed=where(runner), keep_target=True)
@@ -116,17 +117,31 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     """(EngineSpec, draft-length policy, PlanFallback, plan) for placement: auto.
     target_only: the full plan's target placement, without its drafter (a baseline
     must run the target the speculative run verifies on, or its outputs are not
-    comparable); the plan reads the cached profile, and no draft model loads."""
+    comparable). The plan reads the cached profile (a host that never profiled the
+    draft model profiles it once); no draft model is built. If the drafter section
+    cannot be planned (a missing draft model, an absent backend), the target is
+    planned alone, with a warning that it may differ from a speculative run's."""
     d = cfg.drafter
     target_path = model_path(cfg, cfg.target.model)
-    draft_path = model_path(cfg, d.model) if d.kind in ("auto", "model") else None
-    rules = constraints(cfg, load)
-    plan = auto_plan(target_path, draft_path, constraints=rules,
-                     acceptance=dict(cfg.auto.acceptance) or None, k_max=d.k_max,
-                     workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
-                     backends=cfg.auto.backends or None, precisions=cfg.auto.precisions or None,
-                     quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=load.progress,
-                     registry=load.registry)
+
+    def planned(draft_path, rules):
+        return auto_plan(target_path, draft_path, constraints=rules,
+                         acceptance=dict(cfg.auto.acceptance) or None, k_max=d.k_max,
+                         workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
+                         backends=cfg.auto.backends or None, precisions=cfg.auto.precisions or None,
+                         quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=load.progress,
+                         registry=load.registry)
+
+    draft_path = None
+    try:
+        draft_path = model_path(cfg, d.model) if d.kind in ("auto", "model") else None
+        plan = planned(draft_path, constraints(cfg, load))
+    except (BackendError, ConfigError, ModelLoadError) as exc:
+        if not target_only:
+            raise
+        print(f"hetero-sd: --target-only: the drafter section cannot be planned ({exc}); the target is "
+              "planned alone and may sit elsewhere than a speculative run's", file=sys.stderr)
+        plan = planned(None, Constraints(_pinned(cfg.target, load), drafter="none"))
 
     def model_spec(path: str, placement: Placement, role: str) -> ModelSpec:
         return ModelSpec(path, placement.backend, placement.device, placement.precision, cfg.memory.kv_budget, role)

@@ -83,7 +83,8 @@ def _check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
 
 def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = False) -> dict:
     """Keyword arguments for Engine(...): everything the config describes, built.
-    target_only: the target alone; the drafter section is ignored (no draft model, no worker)."""
+    target_only: the target alone; no drafter is built (no draft model, no worker). With
+    placement: auto it is the full plan's target (auto.plan_engine), manual: the section's."""
     load = Loader(discover(), progress=progress)  # every backend, plugins included, and why any is broken
     plan = fallback = None
     if cfg.placement == "auto":

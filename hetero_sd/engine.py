@@ -174,7 +174,10 @@ class Engine:
         speculate False: target-only. concurrent: the request runs beside others (the
         batching server), so it drafts with a fork of the drafter and a copy of the
         draft-length policy (and target-only when the drafter cannot fork).
-        learn_timings False: the policy learns from acceptance alone."""
+        learn_timings False: the policy learns from acceptance alone.
+        A request that is not concurrent drafts with the engine's own drafter and
+        policy: run one such request at a time (generate does), and concurrent=True
+        for more."""
         budget = self.check_request(prompt_ids, max_new_tokens)
         params = self.sampling if sampling is None else sampling
         constraint = Constraint.of(constraint) or self.constraint
@@ -211,4 +214,4 @@ def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-__all__ = ["Engine", "GenerationResult", "encode_messages", "encode_text"]
+__all__ = ["Engine", "GenerationResult", "Request", "encode_messages", "encode_text"]

@@ -182,8 +182,10 @@ class Request:
     def set_round_cost(self, cost) -> None:
         """Price this request's rounds (a batching server's RoundCost for its batch).
         A sampled request keeps its policy's prior, so its draft lengths follow
-        acceptance alone and a seed reproduces whatever runs beside it."""
-        if self.sampler is None:
+        acceptance alone and a seed reproduces whatever runs beside it. A request
+        that does not speculate has no policy of its own to price (it may share
+        the engine's)."""
+        if self.sampler is None and self.drafter is not None:
             self.policy.set_cost(cost)
 
     def close(self, release: bool = True) -> GenerationResult:

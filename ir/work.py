@@ -4,9 +4,11 @@ The glossary, one for the whole code base (it follows vLLM's rejection
 sampler; hetero_sd/sampling.py and the request object use these words):
 
     history    one request's tokens: the prompt, then every committed token, in
-               order (TokenHistory). The request owns the only copy; the stop
-               checker, the failover wrapper and in-process drafters read it,
-               a drafter in another process is sent deltas of it.
+               order (TokenHistory). The request owns it, its stop checker
+               appends to it, and in the engine's process nothing else keeps
+               a copy: the failover wrapper and the drafters read it. A drafter
+               in another process is sent deltas and rebuilds its own; a
+               cascade stage extends a copy with its own provisional tokens.
     draft      a token a drafter proposes (DraftRequest -> DraftResult).
     step       one verify: the target scores the last committed token followed
                by the drafts, k + 1 rows in one call (VerifyRequest).
@@ -59,7 +61,8 @@ class _Record:
 
 class TokenHistory:
     """One request's tokens: the prompt, then each committed token (the glossary's
-    history). Appended to by the request alone; everyone else reads `ids`."""
+    history). Appended to by the request's stop checker alone; everyone else reads
+    `ids` and never writes to it."""
 
     __slots__ = ("ids", "prompt_len")
 
@@ -78,6 +81,10 @@ class TokenHistory:
     @property
     def output_len(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    def output_since(self, n: int) -> list[int]:
+        """The output tokens after the first n of them."""
+        return self.ids[self.prompt_len + n:]
 
     def tail(self, n: int) -> list[int]:
         """The last n output tokens (fewer when there are fewer)."""

@@ -16,9 +16,11 @@ history, read, never copied); a drafter in another process is sent the delta
                                                 for a drafter written to the contract before
                                                 guides: it is begun without one)
               feature_layers                    target layers whose hidden states it reads (a head)
-              runner                            the model Runner it drafts with in this process
-                                                (None: model-free, or in another process); a
-                                                re-plan after its failure excludes that device
+              runner                            what it drafts with in this process: a
+                                                backends.base.Runner for a draft model, a head
+                                                runner for a head; None when model-free or in
+                                                another process. A re-plan after the failure of
+                                                a Runner excludes its device
               observe(drafted, accepted)        after each speculative round: how its draft fared
               wait_ready()                      block until usable (a worker loading its model)
               close()                           free processes and memory for good
@@ -36,7 +38,7 @@ class Drafter(ABC):
     can_fork: bool = False
     takes_guide: bool = True
     feature_layers: tuple[int, ...] = ()
-    runner = None  # a backends.base.Runner, for drafters that draft with a model here
+    runner = None  # (see the module docstring)
     _view: Sequence[int] | None = None  # the context of the latest request (context_for)
     _owns_view = False
 

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hetero_sd.backends.base import Runner
 from hetero_sd.drafting.base import common_prefix
 from hetero_sd.drafting.specs import DrafterSpec, ModelSpec
 from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, PARTIAL, READY, RESET, Control,
@@ -138,7 +139,7 @@ class Handler:
             return error_reply(READY if ctl.op == HELLO else ACK, self.load_error)
         if ctl.op == HELLO:
             runner = self.drafter.runner  # (Drafter.runner: None for a model-free drafter)
-            context = runner.max_context if runner is not None else 0
+            context = runner.max_context if isinstance(runner, Runner) else 0
             return Reply(OK, READY, Control(READY, self.options.target_vocab, [context]).pack())
         if ctl.op == BEGIN:
             sampler = sampler_from_words(ctl.words)

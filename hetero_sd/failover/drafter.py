@@ -4,11 +4,12 @@ Two drafters, two names: `default` is the drafter each request begins with (a
 failover's or re-plan's replacement once one happened: it persists);
 `serving` is the one drafting the current request, None once it was dropped.
 A replacement starts from the request's whole context (DraftRequest.context).
+Drafters only read that context: one that appends to it is undone and dropped.
 """
 from __future__ import annotations
 
 from hetero_sd.drafting.base import Drafter
-from hetero_sd.errors import describe
+from hetero_sd.errors import GenerationError, describe
 from hetero_sd.failover.fallback import Fallback, Replanner
 from hetero_sd.ir.work import DraftRequest, DraftResult
 
@@ -62,8 +63,17 @@ class FailoverDrafter(Drafter):
         if self._fresh:
             # (features align with the context's end: the replacement gets what this round has)
             req = DraftRequest(req.seq_id, 0, req.k, list(context), features=req.features, context=context)
+        n = len(context)
         try:
             result = self.serving.draft(req)
+            if len(context) != n:  # a drafter reads the history; one that wrote to it is a broken one
+                if len(context) < n:
+                    raise GenerationError(f"drafter {self.serving.name} removed tokens from the request's "
+                                          "history; the output cannot be trusted")
+                del context[n:]
+                raise RuntimeError(f"drafter {self.serving.name} appended to the request's token history")
+        except GenerationError:
+            raise
         except Exception as exc:
             self._failed(self.serving, exc)
             return DraftResult(req.seq_id, [])

@@ -139,12 +139,22 @@ class FailoverRunner(Runner):
             s.wrote(i.start, i.tokens)
         return out
 
-    def copy_prefix(self, src_id: int, dst_id: int, length: int) -> None:
-        """The live runner's copy_prefix (when can_copy_prefix); dst then replays as a
-        prefill of that prefix after a failover."""
+    def copy_prefix(self, src_id: int, dst_id: int, length: int) -> bool:
+        """The live runner's copy_prefix; False (nothing copied, dst still empty) when the
+        live runner cannot copy: a failover in the call may have moved to one that
+        cannot, which is no device failure. dst replays as a prefill of the prefix."""
         src, dst = self._seqs[src_id], self._seqs[dst_id]
-        self._guarded(lambda: self.current.copy_prefix(src.inner, dst.inner, length))
-        dst.wrote(0, src.tokens()[:length])
+
+        def call() -> bool:
+            if not self.current.can_copy_prefix:
+                return False
+            self.current.copy_prefix(src.inner, dst.inner, length)
+            return True
+
+        copied = self._guarded(call)
+        if copied:
+            dst.wrote(0, src.tokens()[:length])
+        return copied
 
     def tokens(self, seq_id: int) -> list[int]:
         """The tokens whose KV the sequence holds, position by position."""

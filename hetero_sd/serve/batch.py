@@ -233,13 +233,12 @@ class BatchEngine:
                     raise
         cached = 0
         hit = self.prefix.find(sub.prompt_ids) if self.prefix is not None else None
-        if hit is not None and self.target.can_copy_prefix:  # (a failover may have moved it)
-            try:
-                self.target.copy_prefix(hit.seq, req.seq, hit.length)
+        if hit is not None:
+            try:  # (False: a failover moved the target to a runner that cannot copy)
+                cached = hit.length if self.target.copy_prefix(hit.seq, req.seq, hit.length) else 0
             except BaseException:
                 req.close()  # its sequence is freed; the request fails alone
                 raise
-            cached = hit.length
         return _Live(handle, req, TextStream(req.stopper), cached)
 
     def _step(self, admitted: list[_Live]) -> None:
@@ -292,13 +291,12 @@ class BatchEngine:
             live.req.set_round_cost(cost)
 
     def _publish(self, live: _Live, done: bool) -> None:
-        tokens = live.req.tokens
         if done:
             self._end(live, None)
             return
-        new = tokens[live.sent_tokens:]
+        new = live.req.history.output_since(live.sent_tokens)
         if new:
-            live.sent_tokens = len(tokens)
+            live.sent_tokens += len(new)
             if live.handle.first_token_at is None:
                 live.handle.first_token_at = time.monotonic()
             self._deliver(live.handle, Event(live.stream.delta(), list(new)))

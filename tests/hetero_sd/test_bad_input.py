@@ -73,7 +73,7 @@ def error_of(fn: Callable[[], object], kind: type[HeteroSDError]) -> str:
 @dataclass
 class Case:
     """`yaml(tmp_path, model_dir, small_vocab_dir)` -> file text; run through the API by
-    `stage` ("load": load_config, "build": build_engine, "generate": generate)."""
+    `stage` ("load": load_config, "build": Engine.from_config, "generate": generate)."""
 
     name: str
     yaml: Callable[[Path, Path, Path], str]

@@ -86,6 +86,26 @@ def test_drafter_failure_keeps_the_output(ir, kind):
         assert engine.drafter.name == "ngram" and replaced.stats.accepted > 0
 
 
+class _Scribbler(NgramDrafter):
+    """A broken drafter: it appends its own drafts to the context it was given to read."""
+    name = "scribbler"
+
+    def draft(self, req):
+        result = super().draft(req)
+        if req.context is not None:
+            req.context.extend(result.tokens)
+        return result
+
+
+def test_a_drafter_that_writes_to_the_history_is_undone_and_dropped(ir):
+    prompt, new = _prompt(2), 24
+    target = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    expected = Engine(target, None).generate_ids(prompt, new, target_only=True).token_ids
+    got = Engine(target, _Scribbler(1, 3), k=3).generate_ids(prompt, new)
+    assert got.token_ids == expected
+    assert any("appended to the request's token history" in e for e in got.stats.events)
+
+
 def test_no_replacement_raises_with_the_output_so_far(ir):
     prompt = _prompt(3)
     healthy = _fake().load(ir, "fake:1", "fp32", BUDGET)

@@ -117,6 +117,22 @@ def test_auto_placement_target_only_keeps_the_plans_target(tiny_model_dir, tmp_p
     assert "--target-only: fake:fake:1/fp32 alone" in capsys.readouterr().err
 
 
+def test_auto_target_only_with_a_missing_draft_model_plans_the_target_alone(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    """No speculative plan can be made without the draft model: the baseline still runs,
+    planned alone, and says that its placement may not be a speculative run's."""
+    monkeypatch.setattr(profiler, "measure_runner", declared_figures)
+    monkeypatch.setenv(ENV, json.dumps(_TWO_DEVICES))
+    cfg = load_config(_yaml(tmp_path, tiny_model_dir("llama"), f"kind: model, model: {tmp_path / 'no-draft'}",
+                            "placement: auto\nauto: {quick: true, backends: [fake], precisions: [fp32]}\n"))
+    with pytest.raises(ModelLoadError):
+        Engine.from_config(cfg)
+    alone = Engine.from_config(cfg, target_only=True)
+    assert alone.drafter is None and alone.target.device.device == "fake:0"  # the faster decoder, planned alone
+    assert "the drafter section cannot be planned" in capsys.readouterr().err
+    assert alone.generate_ids(PROMPT).token_ids
+
+
 def test_auto_yaml_target_only_is_the_speculative_runs_target(smollm2_gguf):
     """configs/auto.yaml (the splitter narrowed to onnxruntime, quick, so the test
     profiles in seconds): the baseline runs on the plan's target, and every

@@ -206,3 +206,20 @@ def test_no_prefix_cache_where_the_copy_would_not_be_exact(tiny_model_dir):
     """torch's prefill takes shape-dependent fast kernels: no copy_prefix, no cache."""
     engine = _engine(tiny_model_dir("llama"), "torch", "fp32")
     assert BatchEngine(engine).prefix is None
+
+
+def test_pricing_a_batch_leaves_the_engines_policy_alone(tiny_model_dir):
+    """The server prices each speculating request's own copy of the draft-length
+    policy; a request that does not speculate shares the engine's policy and must
+    not reprice it (later generate() calls and forks would inherit the batch's costs)."""
+    from hetero_sd.scheduler import AdaptiveDraftLength
+
+    engine = _engine(tiny_model_dir("llama"))
+    engine.policy = AdaptiveDraftLength(6)
+    before = engine.policy.round_cost()
+    rng = random.Random(3)
+    requests = [Submission(_prompt(rng, i), 12, speculate=i % 2 == 0) for i in range(6)]
+    _, collectors = _serve(engine, requests)
+    assert all(c.events[-1].finish_reason in ("length", "eos") for c in collectors)
+    assert any(c.result.stats.drafted for c in collectors)  # the speculating ones were priced and drafted
+    assert engine.policy.round_cost() == before
