@@ -25,6 +25,8 @@ classes and register under the `hetero_sd.backends` entry-point group.
                close()                             free what outlives this process's memory (a
                                                    remote actor); default: nothing to free
                location                            the machine it runs on when not here
+               kernel_choice                       what the backend chose for this host and why
+                                                   (reports: devices, profile); "" by default
              A capability a runner lacks is declared, never faked (a precision whose
              multi-token calls round differently says batch_invariant=False, and results then
              say "lossless: up to numerics").
@@ -103,6 +105,7 @@ class Runner(ABC):
     feature_layers: tuple[int, ...] = ()
     can_copy_prefix: bool = False
     location: str | None = None
+    kernel_choice: str = ""
 
     @abstractmethod
     def allocate(self, capacity: int) -> int:

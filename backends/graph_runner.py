@@ -6,12 +6,15 @@ stacked output), which are written into the slab. Rollback is the allocator's le
 from __future__ import annotations
 
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
+from hetero_sd.backends.row_check import CHECK_VERSION, host_signature, settle
+from hetero_sd.ir.cache import cache_dir
 from hetero_sd.ir.errors import BackendError, KVBudgetError
 from hetero_sd.ir.model import ModelIR
 
@@ -44,13 +47,31 @@ class GraphRunner(PooledRunner):
         self._kv_heads, self._head_dim = cfg.num_kv_heads, cfg.head_dim
         self._slabs: dict[int, np.ndarray] = {}
         self._past: dict[int, dict[str, np.ndarray]] = {}  # seq -> its slab's per-layer views
-        # Quantised-weight kernels take a one-row path that rounds apart from
-        # their multi-row one (measured); a one-token call then runs as two
-        # rows (the token twice, the second a discarded position) so decode
-        # and verify share the multi-row kernel.
+        # Quantised-weight kernels may take a one-row path that rounds apart from
+        # their multi-row one (measured on some hosts); a one-token call then runs
+        # as two rows (the token twice, the second a discarded position) so decode
+        # and verify share the multi-row kernel. Padded until settle_padding()
+        # finds, by a bitwise check on this host (row_check.py), that it need not be.
         self._pad_single_row = pad_single_row
+        self._model = model
         self.feature_layers = cfg.feature_layers  # (): the graph has no features output
         self._features: dict[int, np.ndarray] = {}
+
+    def settle_padding(self, graph: Path, runtime: str) -> None:
+        """Decide whether one-token calls run padded, once the runtime can run: by the
+        row check's verdict for this host, runtime and lowered graph (row_check.py)."""
+        if not self._pad_single_row:  # float kernels: exact without it (tested)
+            return
+        folder = cache_dir("row-check", self._model, check=CHECK_VERSION, host=host_signature(),
+                           runtime=runtime, graph=str(graph), precision=self.precision.name)
+        self._pad_single_row = False  # the check runs one-token calls unpadded
+        try:
+            verdict = settle(self, folder, f"{self._model.source.name} {self.device.backend}:{self.device.device} "
+                                           f"{self.precision.name}")
+        finally:
+            self._pad_single_row = True
+        self._pad_single_row = verdict.pad
+        self.kernel_choice = verdict.describe()
 
     def take_features(self, seq_id: int) -> np.ndarray | None:
         """The feature layers' hidden states [T, len(layers) * hidden] of the

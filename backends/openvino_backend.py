@@ -21,13 +21,16 @@ _CPU_POLICY = {
     "bf16": ({"INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "bf16 compute, no dynamic quantisation"),
     "int8": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
-             "u8 compressed weights (block 32), f32 compute, one-token calls padded"),
+             "u8 compressed weights (block 32), f32 compute, one-token calls padded unless a check at load "
+             "finds one row exact on this host"),
     "int4": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
-             "u4 compressed weights (block 32; LM head u8), f32 compute, one-token calls padded"),
+             "u4 compressed weights (block 32; LM head u8), f32 compute, one-token calls padded unless a check at load "
+             "finds one row exact on this host"),
     "gguf": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "a GGUF's own blocks as u4/u8 compressed constants with their scales and zero points, "
              "block minimums as their own matmul: bit-exact weights (types without a block form, fp32); "
-             "f32 compute, one-token calls padded"),
+             "f32 compute, one-token calls padded unless a check at load "
+             "finds one row exact on this host"),
     "default": ({}, False, "OpenVINO's own defaults (bf16/dynamic int8 on CPU); lossless up to numerics"),
 }
 _COMPRESSED = ("int8", "int4", "gguf")  # read from the ONNX lowering's MatMulNBits as compressed constants
@@ -92,6 +95,7 @@ class OpenVINORunner(GraphRunner):
         self._outputs = list(self._compiled.outputs)
         self._bound: dict | None = None  # the past views bound now (GraphRunner keeps one dict per sequence)
         self._feed_bufs: dict[str, np.ndarray] = {}  # bound per-step inputs, rewritten in place
+        self.settle_padding(path, f"openvino {ov.__version__} {info.device} {sorted(props.items())}")
 
     def _infer(self, feeds: dict, past: dict) -> list:
         import openvino as ov

@@ -23,12 +23,14 @@ GGUF_NOTE = ("a GGUF's own blocks, bit-exact: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1
 
 
 def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
-    # MatMulNBits' one-row path rounds apart from its multi-row kernel, so
-    # one-token calls run padded to two rows (graph_runner.py).
+    # MatMulNBits may take a one-row path that rounds apart from its multi-row
+    # kernel (it does on AVX2 hosts): one-token calls then run padded to two
+    # rows, decided per host by a bitwise check at load (row_check.py).
+    checked = "one-token calls padded unless a check at load finds one row exact on this host"
     return (PrecisionInfo("fp32", True, _EXACT),
-            PrecisionInfo("int8", True, "weight-only MatMulNBits 8-bit, one-token calls padded"),
-            PrecisionInfo("int4", True, "weight-only MatMulNBits 4-bit (LM head 8-bit), one-token calls padded"),
-            PrecisionInfo("gguf", True, GGUF_NOTE))
+            PrecisionInfo("int8", True, f"weight-only MatMulNBits 8-bit; {checked}"),
+            PrecisionInfo("int4", True, f"weight-only MatMulNBits 4-bit (LM head 8-bit); {checked}"),
+            PrecisionInfo("gguf", True, f"{GGUF_NOTE}; {checked}"))
 
 
 class OrtBackend:
@@ -93,8 +95,12 @@ class OrtRunner(GraphRunner):
                  progress=None):
         super().__init__(model, info, precision, kv_budget_bytes,
                          pad_single_row=precision.name in ("int8", "int4", "gguf"))
-        self._session = self._open(export_onnx(model, precision.name, progress, batched=True))
+        import onnxruntime as ort
+
+        path = export_onnx(model, precision.name, progress, batched=True)
+        self._session = self._open(path)
         self._outputs = [o.name for o in self._session.get_outputs()]
+        self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}")
 
     def _open(self, path):
         import onnxruntime as ort

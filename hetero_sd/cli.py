@@ -116,7 +116,23 @@ def _devices(args) -> int:
                 if p.get("note"):
                     console.print(f"  {row['backend']}:{row['device']} [bold]{p['name']}[/bold]: {p['note']}",
                                   highlight=False)
+        _row_checks(console)
     return 0
+
+
+def _row_checks(console) -> None:
+    """The per-host kernel choices cached so far: whether one-token calls of a quantized
+    graph runner run padded (backends/row_check.py), model by model."""
+    from hetero_sd.backends.row_check import cached_verdicts, host_signature
+    from hetero_sd.ir.cache import cache_root
+
+    verdicts = cached_verdicts(cache_root() / "row-check")
+    host = host_signature()
+    console.print(f"one-token calls on this host ({host['cpu']}; {' '.join(host['flags']) or 'no SIMD flags read'}):"
+                  + ("" if verdicts else " no model checked yet (a quantized graph runner checks at its first load)"),
+                  highlight=False)
+    for label, verdict in verdicts:
+        console.print(f"  {label}: {verdict.describe()}", highlight=False)
 
 
 def _models(args) -> int:

@@ -116,6 +116,14 @@ def _candidate_json(c) -> dict:
             "k": c.k, "tokens_per_s": c.tokens_per_s}
 
 
+def _kernel(choice: str) -> str:
+    """The row check's verdict, short (backends/row_check.py); "" for runners without one."""
+    if not choice:
+        return ""
+    return ("padded" if "padded" in choice else "unpadded") + (" (forced)" if "forced" in choice or
+                                                             "HETERO_SD_PAD" in choice else "")
+
+
 def _print_table(report, roles: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -131,14 +139,16 @@ def _print_table(report, roles: dict) -> None:
     table.add_column("prefill n:ms", justify="right")
     table.add_column("decode", justify="right")
     table.add_column(f"verify w=1..{s.k_max + 1}", justify="right")
+    table.add_column("one-token calls")
     table.add_column("source")
     for e in report.entries:
         table.add_row(e.model, roles.get(e.model_path, ""), str(e.placement), "yes" if e.exact else "no",
                       " ".join(f"{n}:{t * 1e3:.1f}" for n, t in e.prefill), f"{e.decode_s * 1e3:.2f}",
-                      " ".join(f"{t * 1e3:.2f}" for _, t in e.verify), "cache" if e.cached else "measured")
+                      " ".join(f"{t * 1e3:.2f}" for _, t in e.verify), _kernel(e.kernel),
+                      "cache" if e.cached else "measured")
     for f in report.failures:
         table.add_row(f["model"], roles.get(f["model_path"], ""), f["placement"], "-", "", "",
-                      f"[red]{f['error']}[/red]", "failed")
+                      f"[red]{f['error']}[/red]", "", "failed")
     console = Console()
     if not console.is_terminal:  # piped: keep one placement per line rather than wrap at 80 columns
         console = Console(width=240)

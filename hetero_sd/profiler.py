@@ -33,7 +33,7 @@ from hetero_sd.errors import ConfigError
 from hetero_sd.ir.model import load_model_ir
 from hetero_sd.scheduler import Constraints, CostCurve, DeviceProfile, DraftOption, Placement, Problem
 
-PROFILE_VERSION = 1  # bump when what is measured, or how, changes
+PROFILE_VERSION = 2  # bump when what is measured, or how, changes (2: one-token calls padded per host check)
 DEFAULT_ACCEPTANCE = {"ngram": 0.5, "model": 0.7}  # priors until the engine observes real acceptance
 
 
@@ -63,6 +63,7 @@ class ProfileEntry:
     decode_s: float  # one one-token step after `context` tokens
     verify: list[tuple[int, float]]  # (width, seconds) for widths 1..k_max+1
     measured_at: str = ""
+    kernel: str = ""  # the runner's kernel choice for this host (Runner.kernel_choice)
     cached: bool = field(default=False, compare=False)  # read from the cache, not measured now
 
     @property
@@ -261,7 +262,8 @@ def _measure(registry: Registry, ir, placement: Placement, exact: bool, settings
     runner = registry.get(placement.backend).load(ir, placement.device, placement.precision, kv_budget)
     figures = measure_runner(runner, settings)
     return ProfileEntry(ir.source.name, str(ir.source.resolve()), placement.backend, placement.device,
-                        placement.precision, exact, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **figures)
+                        placement.precision, exact, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        kernel=runner.kernel_choice, **figures)
 
 
 # ------------------------------------------------------------------ to the splitter

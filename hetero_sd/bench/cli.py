@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "draft (default: the first draft-model configuration's draft, else the target)")
     p.add_argument("--eos", choices=("ignore", "stop"), default="ignore",
                    help="ignore EOS so every run makes exactly --max-new-tokens (default), or stop at it")
+    p.add_argument("--llamacpp-bin", default=None, metavar="DIR",
+                   help="folder of llama.cpp's C++ tools: llama-bench runs on the same GGUF and threads before our "
+                        "runs and after the peers, beside our target-only decode (docs/benchmarks.md builds them)")
     p.add_argument("--out", default="bench-results", help="folder for bench.json / bench.md / bench.png")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout (default: the table)")
 
@@ -53,7 +56,8 @@ def options(args):
     peers = _list(args.peers) if args.peers is not None else list(default_peers())
     return BenchOptions(prompts=args.prompts, configs=list(args.config), max_new_tokens=args.max_new_tokens,
                         peers=() if peers == ["none"] else tuple(peers), kinds=_list(args.kinds) or None,
-                        model=args.model, draft_model=args.draft_model, eos_policy=args.eos)
+                        model=args.model, draft_model=args.draft_model, eos_policy=args.eos,
+                        llamacpp_bin=args.llamacpp_bin)
 
 
 def run(args) -> int:

@@ -175,4 +175,8 @@ def to_markdown(report: dict) -> str:
         lines.append(f"- {r['name']}: {r['label']} (load {r['load_s']:.1f}s)")
     for name, why in report["skipped"].items():
         lines.append(f"- skipped {name}: {why}")
+    if "llamacpp_tools" in report:
+        from hetero_sd.bench.llamacpp_tools import markdown
+
+        lines += markdown(report["llamacpp_tools"])
     return "\n".join(lines) + "\n"

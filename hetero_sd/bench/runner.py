@@ -48,6 +48,7 @@ class BenchOptions:
     draft_model: str | None = None  # None: the first draft-model configuration's draft, else the target
     eos_policy: str = "ignore"
     progress: bool | None = None  # None: a bar only when stderr is a terminal
+    llamacpp_bin: str | None = None  # llama.cpp's C++ tools (llama-bench) run beside the runs (llamacpp_tools.py)
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -117,6 +118,13 @@ def run_bench(opts: BenchOptions) -> dict:
         spec["draft_path"] = resolve_model(draft, None).resolve()
 
     total = len(prompts) * (planned_runs(configs) + sum(RUNS_PER_PEER[p] for p in opts.peers))
+    tools = None
+    if opts.llamacpp_bin is not None:
+        from hetero_sd.bench.llamacpp_tools import Bracket, check
+
+        check(Path(opts.llamacpp_bin))  # a wrong folder fails now, not after the runs
+        tools = Bracket(Path(opts.llamacpp_bin), model_path, opts.max_new_tokens)
+        tools.measure()
     progress = Progress(total, opts.progress)
     runs: list[RunResult] = []
     skipped: dict[str, str] = {}
@@ -142,12 +150,19 @@ def run_bench(opts: BenchOptions) -> dict:
             runs, skipped = runs + got, skipped | why
     finally:
         progress.close()
+    if tools is not None:
+        tools.measure()
     baseline = reference(runs)
     rows = compare(runs, baseline)
     shown = [r for r in runs if not r.hidden]
     summary = summarize(shown, [row for row in rows if row["run"] in {r.name for r in shown}])
-    return {"meta": _meta(opts, model_path, prompts, paths, spec, baseline), "runs": [_run_info(r) for r in runs],
-            "skipped": skipped, "summary": summary, "headline": headline(summary), "results": rows}
+    report = {"meta": _meta(opts, model_path, prompts, paths, spec, baseline), "runs": [_run_info(r) for r in runs],
+              "skipped": skipped, "summary": summary, "headline": headline(summary), "results": rows}
+    if tools is not None:
+        ours = next((r for r in runs if r.name == TARGET_ONLY), None)
+        report["llamacpp_tools"] = tools.report([s.decode_tok_s for s in ours.samples if s.decode_tok_s]
+                                                if ours is not None else [])
+    return report
 
 
 def reference(runs: list[RunResult]) -> str | None:

@@ -307,3 +307,42 @@ def test_peers_get_a_fixed_draft_length_when_ours_adapts(tmp_path):
     assert (spec["ngram_k"], spec["draft_k"]) == (5, 4)
     model.write_text("drafter: {kind: model, k: 3}\n")
     assert _peer_spec([load_config(model)], tmp_path / "x.gguf")["draft_k"] == 3
+
+
+def _fake_llama_bench(folder: Path, log: Path) -> Path:
+    """An executable that answers as `llama-bench -o json` does, and logs its arguments."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tool = folder / "llama-bench"
+    tool.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                    "args = sys.argv[1:]\nn = int(args[args.index('-n') + 1])\n"
+                    "print(json.dumps([{'avg_ts': 40.0 if n else 300.0}]))\n")
+    tool.chmod(0o755)
+    return folder
+
+
+def test_llamacpp_tools_run_beside_our_target_only(tiny_model_dir, tmp_path, capsys):
+    """--llamacpp-bin: llama-bench's decode and prefill on the same model file and threads,
+    before our runs and after the peers, reported beside our target-only decode."""
+    model = tiny_model_dir("llama")
+    log = tmp_path / "calls.txt"
+    folder = _fake_llama_bench(tmp_path / "bin", log)
+    report = bench(capsys, "--model", str(model), "--config", str(write_config(tmp_path / "c.yaml", model)),
+                   "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--peers", "none",
+                   "--max-new-tokens", str(MAX_NEW), "--out", str(tmp_path / "out"), "--llamacpp-bin", str(folder))
+    tools = report["llamacpp_tools"]
+    assert tools["decode_tok_s"] == [40.0, 40.0] and tools["prefill_tok_s"] == [300.0, 300.0]
+    ours = [r for r in report["results"] if r["run"] == "ours target-only"]
+    assert tools["ours_vs_llamacpp_decode"] == pytest.approx(tools["ours_target_only_decode_tok_s"] / 40.0)
+    assert ours and tools["ours_target_only_decode_tok_s"] > 0
+    calls = log.read_text().splitlines()
+    threads = str(len(os.sched_getaffinity(0)))
+    assert calls == [f"-m {model} -t {threads} -p 0 -n {MAX_NEW} -r 1 -o json",
+                     f"-m {model} -t {threads} -p 512 -n 0 -r 1 -o json"] * 2
+    assert "llama.cpp's C++ `llama-bench`" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_a_folder_without_llama_bench_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
+    model = tiny_model_dir("llama")
+    code = main(["--model", str(model), "--config", str(write_config(tmp_path / "c.yaml", model)), "--peers", "none",
+                 "--llamacpp-bin", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert code == 2 and "--llamacpp-bin: no llama-bench in" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""The row check (backends/row_check.py) decides per host whether one-token calls
+of a quantized graph runner need padding; whatever it decides, a one-row decode
+must equal row i of a k-row verify bitwise, and its verdict must be what an
+independent comparison finds on this host."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_sd.backends import row_check
+from hetero_sd.backends.registry import discover
+from hetero_sd.ir import load_model_ir
+from helpers.tiny_models import random_prompt
+
+REGISTRY = discover()
+QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4")]
+CONTEXTS = (3, 12, 40)
+
+
+def _load(backend, folder, precision, monkeypatch, pad: str | None):
+    if pad is None:
+        monkeypatch.delenv(row_check.ENV, raising=False)
+    else:
+        monkeypatch.setenv(row_check.ENV, pad)
+    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20)
+
+
+def _invariant(runner, contexts=CONTEXTS, widths=range(1, 17)) -> list[tuple[int, int]]:
+    """(context, width) pairs where a verify's rows differ from one-token steps, bitwise."""
+    bad, seq = [], runner.allocate(64)
+    for ctx in contexts:
+        prompt, cont = random_prompt(ctx, seed=ctx), random_prompt(16, seed=100 + ctx)
+        runner.truncate(seq, 0)
+        runner.forward(seq, prompt, 0, 1)
+        single = np.stack([runner.forward(seq, [t], ctx + i, 1)[0] for i, t in enumerate(cont)])
+        for width in widths:
+            runner.truncate(seq, ctx)
+            if not np.array_equal(runner.forward(seq, cont[:width], ctx, width), single[:width]):
+                bad.append((ctx, width))
+    runner.release(seq)
+    return bad
+
+
+@pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
+@pytest.mark.parametrize("variant", ["llama", "mistral-swa", "qwen2"])
+@pytest.mark.parametrize("backend,precision", QUANTIZED)
+def test_one_row_decode_equals_every_verify_row(tiny_model_dir, monkeypatch, backend, precision, variant, pad):
+    """For the kernel choice the check makes here and for forced padding: a one-token
+    decode equals row i of a k-row verify, k = 1..16, after 3, 12 and 40 tokens."""
+    runner = _load(backend, tiny_model_dir(variant), precision, monkeypatch, pad)
+    assert runner.kernel_choice, "a quantized graph runner says how it runs one-token calls"
+    assert _invariant(runner) == []
+
+
+@pytest.mark.parametrize("backend,precision", QUANTIZED)
+def test_the_verdict_is_what_an_unpadded_run_shows(tiny_model_dir, monkeypatch, backend, precision):
+    """The check's verdict against an independent comparison of unpadded one-row calls
+    on this host: exact where it says exact, and where it says padded, unpadded rows
+    really differ (so the padding is not paid for nothing)."""
+    unpadded = _load(backend, tiny_model_dir("llama"), precision, monkeypatch, "0")
+    exact, detail = row_check.check(unpadded)
+    differs = _invariant(unpadded, contexts=(5, 37), widths=(16, 5, 2))
+    assert exact == (differs == []), (detail, differs)
+
+
+def test_the_verdict_is_cached_per_host_and_rechecked_on_another(tiny_model_dir, monkeypatch):
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None)
+    again = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None)
+    assert "(checked" in runner.kernel_choice or "(cached" in runner.kernel_choice
+    assert "(cached" in again.kernel_choice
+    host = row_check.host_signature()
+    monkeypatch.setattr(row_check, "host_signature", lambda: {**host, "cpu": host["cpu"] + " (another one)"})
+    monkeypatch.setattr("hetero_sd.backends.graph_runner.host_signature", row_check.host_signature)
+    other = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None)
+    assert "(checked" in other.kernel_choice
+    forced = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
+    assert forced.kernel_choice == "one-token calls padded to two rows (HETERO_SD_PAD_SINGLE_ROW=1)"
+
+
+class _RoundsApart:
+    """A runner whose one-row calls round apart (as a GEMV path whose reduction order
+    differs): the check must say so, and settle must keep the padding."""
+
+    vocab_size = 7
+
+    def __init__(self, apart_after: int = 0):
+        self.kv, self.apart_after, self.calls = {}, apart_after, 0
+
+    def allocate(self, capacity):
+        self.kv[len(self.kv)] = []
+        return len(self.kv) - 1
+
+    def truncate(self, seq, length):
+        del self.kv[seq][length:]
+
+    def release(self, seq):
+        del self.kv[seq]
+
+    def forward(self, seq, tokens, start, num_logits):
+        del self.kv[seq][start:]
+        rows = []
+        for t in tokens:
+            self.kv[seq].append(t)
+            rows.append(np.float32(sum(self.kv[seq]) / 3) * np.ones(self.vocab_size, np.float32))
+        out = np.stack(rows[len(rows) - num_logits:])
+        self.calls += 1
+        if len(tokens) == 1 and self.calls > self.apart_after:
+            out = out + np.float32(1e-6) * out  # the last bits differ
+        return out
+
+
+def test_a_one_row_path_that_rounds_apart_keeps_the_padding(tmp_path, monkeypatch):
+    monkeypatch.delenv(row_check.ENV, raising=False)
+    exact, detail = row_check.check(_RoundsApart())
+    assert not exact and "differs alone and in a" in detail
+    assert row_check.check(_RoundsApart(apart_after=10_000)) == (True, row_check.check(
+        _RoundsApart(apart_after=10_000))[1])
+    verdict = row_check.settle(_RoundsApart(), tmp_path)
+    assert verdict.pad and verdict.how == "checked"
+    assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).how == "cached"  # keyed by folder
+    assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).pad  # the cached verdict stands
