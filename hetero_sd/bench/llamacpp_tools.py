@@ -18,13 +18,10 @@ import subprocess
 from pathlib import Path
 
 from hetero_sd.bench.common import Skip
+from hetero_sd.bench.llamacpp_peer import cores as threads  # the cores this process may use, as for the peer
 from hetero_sd.errors import ConfigError
 
 PREFILL_TOKENS = 512
-
-
-def threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def check(binary: Path) -> Path:
