@@ -28,6 +28,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from hetero_sd.backends.onnx_blocks import softcap
+
 class PoolAttention:
     def __init__(self, b, cfg):
         self.b, self.cfg = b, cfg
@@ -38,12 +40,13 @@ class PoolAttention:
         k_idx = b.op("Range", b.const(np.int64(0)), b.op("Squeeze", W), b.const(np.int64(1)))
         q = b.op("Unsqueeze", "q_pos_pad", i64(2))  # [B, Tmax, 1]
         k = b.op("Reshape", k_idx, i64(1, 1, -1))  # [1, 1, W]
-        visible = b.op("LessOrEqual", k, q)  # [B, Tmax, W]
-        if cfg.sliding_window:
-            visible = b.op("And", visible, b.op("Less", b.op("Sub", q, k), b.const(np.int64(cfg.sliding_window))))
-        # [B, 1, G*Tmax, W]: the rows of q's kv-head groups are g-major, then t
-        expanded = b.op("Expand", b.op("Unsqueeze", visible, i64(1)), i64(1, G, 1, 1))
-        self.mask = b.op("Reshape", expanded, i64(0, 1, -1, 0))
+        causal = b.op("LessOrEqual", k, q)  # [B, Tmax, W]
+        self.masks = {}  # window -> [B, 1, G*Tmax, W]: the rows of q's kv-head groups are g-major, then t
+        for window in cfg.windows:
+            visible = causal if window is None else b.op(
+                "And", causal, b.op("Less", b.op("Sub", q, k), b.const(np.int64(window))))
+            expanded = b.op("Expand", b.op("Unsqueeze", visible, i64(1)), i64(1, G, 1, 1))
+            self.masks[window] = b.op("Reshape", expanded, i64(0, 1, -1, 0))
         self.slots = b.op("Expand", b.op("Unsqueeze", b.op("Unsqueeze", "q_pos_pad", i64(1)), i64(3)),
                           i64(1, Hkv, 1, D))  # [B, Hkv, Tmax, D]
         self.minus_inf = b.const(np.float32(-np.inf))
@@ -77,8 +80,8 @@ class PoolAttention:
         # q grouped by kv head: [B, Hkv, G*Tmax, D]
         qb = self._by_sequence(b.op("Gather", q, "pad_rows", axis=2))  # [B, H, Tmax, D]
         qb = b.op("Reshape", qb, i64(0, Hkv, -1, D))
-        scores = b.op("MatMul", qb, b.op("Transpose", k_all, perm=[0, 1, 3, 2]))
-        probs = b.op("Softmax", b.op("Where", self.mask, scores, self.minus_inf), axis=-1)
+        scores = softcap(b, b.op("MatMul", qb, b.op("Transpose", k_all, perm=[0, 1, 3, 2])), cfg.attn_softcap)
+        probs = b.op("Softmax", b.op("Where", self.masks[cfg.window(i)], scores, self.minus_inf), axis=-1)
         att = b.op("Reshape", b.op("MatMul", probs, v_all), i64(0, H, -1, D))  # [B, H, Tmax, D]
         att = b.op("Reshape", b.op("Transpose", att, perm=[0, 2, 1, 3]), i64(-1, H * D))  # [B*Tmax, H*D]
         return b.op("Gather", att, "unpad_rows", axis=0)

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 from onnx import TensorProto, helper
 
-from hetero_sd.backends.onnx_llama import OPSET, _rms_norm
+from hetero_sd.backends.onnx_blocks import rms_norm
+from hetero_sd.backends.onnx_llama import OPSET
 from hetero_sd.backends.onnx_weights import Builder, Linears
 from hetero_sd.ir.eagle import EagleHead
 from hetero_sd.ir.families.llama import rope_inv_freq
@@ -84,7 +85,7 @@ def build_step_graph(head: EagleHead, precision: str):
     b = Builder()
     linear = Linears(b, _Tensors(w), precision)
     i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
-    norm = lambda x, name: _rms_norm(b, x, w[name].numpy(), eps)  # noqa: E731
+    norm = lambda x, name: rms_norm(b, x, w[name].numpy(), eps)  # noqa: E731
 
     x = b.op("Concat", norm("emb", "input_layernorm"), norm("hidden", "hidden_norm"), axis=-1)  # [1, n, 2H]
     qkv = linear(x, ["q_proj", "k_proj", "v_proj"])

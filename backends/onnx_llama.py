@@ -32,40 +32,24 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+import torch
+
 from hetero_sd.backends.onnx_batch import PoolAttention
+from hetero_sd.backends.onnx_blocks import gated_mlp, moe, rms_norm, rope, softcap, split
 from hetero_sd.backends.onnx_weights import Builder, Linears
-from hetero_sd.ir.families.llama import rope_inv_freq
+from hetero_sd.ir.families.decoder import qkv_names, rope_cos_sin
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 16  # part of the cache key: bump when the graph changes
+GRAPH_VERSION = 17  # part of the cache key: bump when the graph changes
 DATA_FILE = "weights.bin"
 
 
-def _rms_norm(b: Builder, x: str, weight: np.ndarray, eps: float) -> str:
-    # The canonical Pow/ReduceMean/Add/Sqrt/Div/Mul chain: onnxruntime fuses
-    # it into SimplifiedLayerNormalization and OpenVINO into its RMS kernel.
-    mean = b.op("ReduceMean", b.op("Pow", x, b.const(np.float32(2.0))), b.const([-1], dtype=np.int64), keepdims=1)
-    norm = b.op("Div", x, b.op("Sqrt", b.op("Add", mean, b.const(np.float32(eps)))))
-    return b.op("Mul", norm, b.const(weight.astype(np.float32), "norm"))
-
-
-def _rope(b: Builder, x: str, cos: str, sin: str, half: int) -> str:
-    """x [1, heads, T, D] * cos + rotate_half(x) * sin, cos/sin [1, 1, T, D].
-    Written as OpenVINO's GPT-NeoX RoPE pattern (rank 4, split on axis 3,
-    the negation as a multiply by -1, exact) so its CPU plugin runs one RoPE
-    kernel instead of six elementwise nodes."""
-    lo, hi = b.name("lo"), b.name("hi")
-    b.nodes.append(helper.make_node("Split", [x, b.const([half, half], dtype=np.int64)], [lo, hi], axis=3))
-    rotated = b.op("Concat", b.op("Mul", hi, b.const(np.float32(-1.0))), lo, axis=-1)
-    return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
-
-
-def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str) -> str:
+def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str, cap: float | None = None) -> str:
     """softmax(q k^T masked) v over the window: q [Hkv, G*T, D] (already
     scaled), k and v [Hkv, W, D] with the new rows in place, mask
     [1, G*T, W]; returns [Hkv, G*T, D]."""
-    scores = b.op("MatMul", q, b.op("Transpose", k, perm=[0, 2, 1]))
+    scores = softcap(b, b.op("MatMul", q, b.op("Transpose", k, perm=[0, 2, 1])), cap)
     probs = b.op("Softmax", b.op("Where", mask, scores, minus_inf), axis=-1)
     return b.op("MatMul", probs, v)
 
@@ -87,74 +71,93 @@ def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, p
     return proto
 
 
+def _rope_tables(b: Builder, cfg, q_pos: str, local: bool) -> tuple[str, str]:
+    """cos and sin [1, 1, T, rope_dim] of the rows' positions, from a table of every position."""
+    cos, sin = (t.numpy().astype(np.float32) for t in
+                rope_cos_sin(cfg, torch.arange(cfg.max_position_embeddings), local))
+    shape = b.const([1, 1, -1, cfg.rope_dim], dtype=np.int64)
+    return tuple(b.op("Reshape", b.op("Gather", b.const(t, name), q_pos, axis=0), shape)
+                 for t, name in ((cos, "cos"), (sin, "sin")))
+
+
 def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool = False) -> onnx.ModelProto:
     cfg = model.config
     weights = _FloatWeights(model)  # norms and biases: small, read as floats
-    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
     # How rows find their keys: one sequence's slab (below), or several
     # sequences gathered from the whole pool (onnx_batch.py). Everything else
     # is the same graph, so a row rounds alike in both.
     kv = PoolAttention(b, cfg) if batched else SlabAttention(b, cfg)
-
-    inv = rope_inv_freq(cfg).numpy().astype(np.float32)
-    angles = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inv[None, :]
-    emb = np.concatenate([angles, angles], axis=-1)
-    cos, sin = (b.op("Reshape", b.op("Gather", b.const(f(emb).astype(np.float32), f.__name__), kv.q_pos, axis=0),
-                     i64(1, 1, -1, D)) for f in (np.cos, np.sin))  # [1, 1, T, D]
-    # q's rows carry the 1/sqrt(D) attention scale (q * (cos*s) + rot(q) * (sin*s)):
-    # one multiply per graph instead of one per layer, and none on the
-    # [Hkv, G*T, W] scores; exact where s is a power of two (D = 64, 256).
-    scale = b.const(np.float32(1.0 / np.sqrt(D)))
-    cos_q, sin_q = b.op("Mul", cos, scale), b.op("Mul", sin, scale)
+    ropes = {local: _rope_tables(b, cfg, kv.q_pos, local) for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}}
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
 
     x = b.op("Gather", linear.embedding("model.embed_tokens.weight"), "input_ids", axis=0)
+    if cfg.embed_scale is not None:
+        x = b.op("Mul", x, b.const(np.float32(cfg.embed_scale)))
     captured = {}  # feature layer -> its output [T, hidden]
     for i in range(cfg.num_layers):
         if progress is not None:
             progress(i, cfg.num_layers, f"layer {i}")
-        p = f"model.layers.{i}."
-        bias = (lambda n: weights[p + f"self_attn.{n}_proj.bias"]) if cfg.attention_bias else (lambda n: None)
-        h = _rms_norm(b, x, weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        # q, k and v (and below gate and up) as one wider matmul each: a third
-        # fewer weight-layer calls, whose fixed cost dominates this small a
-        # model; every output column still reduces over the same inputs.
-        qkv = (("q", H), ("k", Hkv), ("v", Hkv))
-        fused_bias = np.concatenate([bias(n) for n, _ in qkv]) if cfg.attention_bias else None
-        y = linear(h, [p + f"self_attn.{n}_proj.weight" for n, _ in qkv], fused_bias)
-        parts = [b.name(n) for n, _ in qkv]
-        b.nodes.append(helper.make_node("Split", [y, b.const([c * D for _, c in qkv], dtype=np.int64)], parts,
-                                        axis=-1))
-        # q, k and v as [1, heads, T, D]: the layout OpenVINO's RoPE kernel
-        # takes (transpose folded in) and the slab's, so new rows scatter as they are.
-        heads = {n: b.op("Transpose", b.op("Reshape", part, i64(1, -1, c, D)), perm=[0, 2, 1, 3])
-                 for (n, c), part in zip(qkv[:2], parts[:2])}
-        new_kv["k"].append(_rope(b, heads["k"], cos, sin, D // 2))
-        new_kv["v"].append(b.op("Transpose", b.op("Reshape", parts[2], i64(1, -1, Hkv, D)), perm=[0, 2, 1, 3]))
-        q = _rope(b, heads["q"], cos_q, sin_q, D // 2)
-        att = kv.attend(i, q, new_kv["k"][-1], new_kv["v"][-1])  # [T, H*D]
-        x = b.op("Add", x, linear(att, [p + "self_attn.o_proj.weight"]))
-        h = _rms_norm(b, x, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        inter = cfg.intermediate_size
-        gate_up = linear(h, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-        gate, up = b.name("gate"), b.name("up")
-        b.nodes.append(helper.make_node("Split", [gate_up, b.const([inter, inter], dtype=np.int64)], [gate, up],
-                                        axis=-1))
-        gate = b.op("Mul", gate, b.op("Sigmoid", gate))
-        x = b.op("Add", x, linear(b.op("Mul", gate, up), [p + "mlp.down_proj.weight"]))
+        x = _layer(b, cfg, linear, weights, kv, ropes[cfg.local_rope(i)], new_kv, i, x)
         if i in cfg.feature_layers:
             captured[i] = x
 
     stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
-    b.op("Concat", *[b.op("Unsqueeze", kv_, i64(0)) for kv_ in stacked], axis=0, out="new_kv")
+    b.op("Concat", *[b.op("Unsqueeze", kv_, b.const([0], dtype=np.int64)) for kv_ in stacked], axis=0, out="new_kv")
 
-    x = _rms_norm(b, kv.logit_rows(x), weights["model.norm.weight"], cfg.rms_norm_eps)
-    linear(x, ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"], head=True,
-           out="logits", rows=cfg.output_vocab)
+    x = rms_norm(b, kv.logit_rows(x), weights["model.norm.weight"], cfg.rms_norm_eps)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    if cfg.final_softcap is None:
+        linear(x, [head], head=True, out="logits", rows=cfg.output_vocab)
+    else:
+        b.op("Identity", softcap(b, linear(x, [head], head=True, rows=cfg.output_vocab), cfg.final_softcap),
+             out="logits")
     if cfg.feature_layers:
         b.op("Concat", *[captured[i] for i in cfg.feature_layers], axis=-1, out="features")
     return _make_model(b, cfg, kv.inputs())
+
+
+def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: dict, i: int, x: str) -> str:
+    p = f"model.layers.{i}."
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
+    norm = lambda v, name: rms_norm(b, v, weights[p + name], cfg.rms_norm_eps)  # noqa: E731
+    h = norm(x, "input_layernorm.weight")
+    # q, k and v (and below gate and up) as one wider matmul each: a third
+    # fewer weight-layer calls, whose fixed cost dominates this small a
+    # model; every output column still reduces over the same inputs.
+    fused_bias = np.concatenate([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) \
+        if cfg.attention_bias else None
+    q, k, v = split(b, linear(h, qkv_names(cfg, p), fused_bias), [H * D, Hkv * D, Hkv * D])
+    # q, k and v as [1, heads, T, D]: the layout OpenVINO's RoPE kernel
+    # takes (transpose folded in) and the slab's, so new rows scatter as they are.
+    q, k, v = (b.op("Transpose", b.op("Reshape", t, i64(1, -1, c, D)), perm=[0, 2, 1, 3])
+               for t, c in ((q, H), (k, Hkv), (v, Hkv)))
+    if cfg.qk_norm:
+        q, k = norm(q, "self_attn.q_norm.weight"), norm(k, "self_attn.k_norm.weight")
+    scale = b.const(np.float32(cfg.attention_scale))
+    cos, sin = rope_table
+    if cfg.uses_rope(i) and cfg.rope_dim == D:
+        # q's rows carry the attention scale (q * (cos*s) + rot(q) * (sin*s)):
+        # no multiply on the [Hkv, G*T, W] scores; exact where s is a power of two (D = 64, 256).
+        q = rope(b, q, b.op("Mul", cos, scale), b.op("Mul", sin, scale), D, D)
+        k = rope(b, k, cos, sin, D, D)
+    else:
+        if cfg.uses_rope(i):
+            q, k = rope(b, q, cos, sin, cfg.rope_dim, D), rope(b, k, cos, sin, cfg.rope_dim, D)
+        q = b.op("Mul", q, scale)
+    new_kv["k"].append(k)
+    new_kv["v"].append(v)
+    out = linear(kv.attend(i, q, k, v), [p + "self_attn.o_proj.weight"])  # attend -> [T, H*D]
+    if cfg.sandwich_norms:
+        x = b.op("Add", x, norm(out, "post_attention_layernorm.weight"))
+        h = norm(x, "pre_feedforward_layernorm.weight")
+    else:
+        x = b.op("Add", x, out)
+        h = norm(x, "post_attention_layernorm.weight")
+    out = moe(b, linear, cfg, h, p, weights[p + "mlp.gate.weight"]) if cfg.sparse(i) else gated_mlp(b, linear, cfg, h, p)
+    if cfg.sandwich_norms:
+        out = norm(out, "post_feedforward_layernorm.weight")
+    return b.op("Add", x, out)
 
 
 class SlabAttention:
@@ -171,13 +174,14 @@ class SlabAttention:
                                               b.const(np.int64(1))), "past_len")
         k_idx = b.op("Range", b.const(np.int64(0)), "window", b.const(np.int64(1)))
         q_col, k_row = b.op("Unsqueeze", q_pos, i64(1)), b.op("Unsqueeze", k_idx, i64(0))
-        visible = b.op("LessOrEqual", k_row, q_col)  # [T, W]
-        if cfg.sliding_window:
-            visible = b.op("And", visible, b.op("Less", b.op("Sub", q_col, k_row),
-                                                b.const(np.int64(cfg.sliding_window))))
-        self.mask = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)),
-                                         b.op("Concat", i64(G), T, W, axis=0)),
-                         i64(1, -1, 0), allowzero=0)  # [1, G*T, W]
+        causal = b.op("LessOrEqual", k_row, q_col)  # [T, W]
+        self.masks = {}  # window -> [1, G*T, W]: one per distinct layer window
+        for window in cfg.windows:
+            visible = causal if window is None else b.op(
+                "And", causal, b.op("Less", b.op("Sub", q_col, k_row), b.const(np.int64(window))))
+            self.masks[window] = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", visible, i64(0)),
+                                                      b.op("Concat", i64(G), T, W, axis=0)),
+                                      i64(1, -1, 0), allowzero=0)
         # New keys land at their absolute slots past_len .. past_len + T - 1 of a
         # copy of the window (ScatterElements along the position axis: a copy and
         # T writes, where selecting over all slots read three window-long tensors).
@@ -195,7 +199,8 @@ class SlabAttention:
                                              self.slots, new, axis=2), i64(Hkv, -1, D))
                         for n, new in (("k", k_new), ("v", v_new)))
         q = b.op("Reshape", q, i64(Hkv, -1, D))  # grouped by kv head
-        att = b.op("Reshape", _attention(b, q, k_all, v_all, self.mask, self.minus_inf), i64(H, -1, D))
+        att = _attention(b, q, k_all, v_all, self.masks[cfg.window(i)], self.minus_inf, cfg.attn_softcap)
+        att = b.op("Reshape", att, i64(H, -1, D))
         return b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
 
     def logit_rows(self, x: str) -> str:

@@ -132,7 +132,7 @@ def _load_hf(folder: Path) -> ModelIR:
         cfg = fam.config_from_hf(hf)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{cfg_path}: {exc}") from None
-    return ModelIR(cfg, SafetensorsSource(folder), folder, "hf")
+    return ModelIR(cfg, SafetensorsSource(folder, fam.hf_aliases(cfg), fam.hf_fixup(cfg)), folder, "hf")
 
 
 @functools.cache
@@ -191,9 +191,13 @@ def _load_gguf(path: Path) -> ModelIR:
         fam = families.family_for_gguf(arch)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
-    rope_freqs = next((tuple(float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).ravel())
-                       for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors}, rope_freqs)
+    def vector(name: str) -> tuple[float, ...] | None:
+        """A small tensor (RoPE factors) as floats; None if the file has none."""
+        return next((tuple(float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).ravel())
+                     for t in reader.tensors if t.name == name), None)
+
+    cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors}, vector)
+    fam = families.family(cfg.family)  # one GGUF architecture may hold several families (llama: Mixtral)
     source = GGUFSource(reader, path, fam.gguf_name_map(cfg), fam.gguf_fixup(cfg, arch))
     return ModelIR(cfg, source, path, "gguf")
 

@@ -35,12 +35,19 @@ class WeightSource:
 
 
 class SafetensorsSource(WeightSource):
-    """One `model.safetensors` or shards listed in `model.safetensors.index.json`."""
+    """One `model.safetensors` or shards listed in `model.safetensors.index.json`.
 
-    def __init__(self, folder: Path):
+    `aliases` maps the family's names to the file's where a checkpoint names a
+    tensor otherwise (Mixtral's experts); `fixup(name, tensor)` turns a stored
+    weight into the IR's form (Gemma stores its norms as offsets from one)."""
+
+    def __init__(self, folder: Path, aliases: dict[str, str] | None = None,
+                 fixup: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         from safetensors import safe_open
 
         self.folder = folder
+        self._fixup = fixup
+        ir_name = {stored: name for name, stored in (aliases or {}).items()}
         index = folder / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -50,7 +57,7 @@ class SafetensorsSource(WeightSource):
         if not files:
             raise ModelLoadError(f"{folder}: no *.safetensors files (a Hugging Face folder needs weights)")
         self._handles = {}
-        self._where: dict[str, str] = {}
+        self._where: dict[str, tuple[str, str]] = {}  # IR name -> (file, stored name)
         for fname in files:
             path = folder / fname
             if not path.exists():
@@ -61,7 +68,7 @@ class SafetensorsSource(WeightSource):
                 raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
             self._handles[fname] = handle
             for key in handle.keys():
-                self._where[key] = fname
+                self._where[ir_name.get(key, key)] = (fname, key)
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -69,14 +76,18 @@ class SafetensorsSource(WeightSource):
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files")
+        fname, stored = self._where[name]
         # copy: a float32 tensor would otherwise alias the memory-mapped file
-        return self._handles[self._where[name]].get_tensor(name).to(torch.float32, copy=True)
+        tensor = self._handles[fname].get_tensor(stored).to(torch.float32, copy=True)
+        return self._fixup(name, tensor) if self._fixup is not None else tensor
 
 
 class GGUFSource(WeightSource):
     """Tensors of a GGUF file under Hugging Face names, dequantized on demand.
 
-    `name_map` maps HF names to GGUF names; `fixup(hf_name, array)` undoes
+    `name_map` maps HF names to GGUF names, or to (GGUF name, i) for slice i
+    of a stacked tensor (llama.cpp stores a layer's experts as one
+    [experts, rows, cols] tensor); `fixup(hf_name, array)` undoes
     format-specific layouts (llama.cpp permutes Llama Q/K rows for its RoPE).
     """
 
@@ -87,7 +98,8 @@ class GGUFSource(WeightSource):
         self.path = path
         self._data = getattr(reader, "data", None)  # the file's memory map
         self._tensors = {t.name: t for t in reader.tensors}
-        self._map = {hf: g for hf, g in name_map.items() if g in self._tensors}
+        self._map = {hf: (g if isinstance(g, tuple) else (g, None)) for hf, g in name_map.items()
+                     if (g[0] if isinstance(g, tuple) else g) in self._tensors}
         self._fixup = fixup
 
     def names(self) -> list[str]:
@@ -98,13 +110,26 @@ class GGUFSource(WeightSource):
 
         if name not in self._map:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
-        tensor = self._tensors[self._map[name]]
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        tensor, data, rows, cols = self._slice(name)
+        if rows is None:
+            array = gguf.quants.dequantize(data, tensor.tensor_type)
+        else:
+            array = gguf.quants.dequantize(data.reshape(rows, -1), tensor.tensor_type).reshape(rows, cols)
+        array = array.astype(np.float32, copy=False)
         if self._fixup is not None:
             array = self._fixup(name, array)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)  # F32 tensors are read-only views of the mmap
         return torch.from_numpy(array)
+
+    def _slice(self, name: str):
+        """(tensor, its data or the named slice's, rows, cols); rows None: the whole tensor as stored."""
+        gname, index = self._map[name]
+        tensor = self._tensors[gname]
+        if index is None:
+            return tensor, tensor.data, None, None
+        dims = [int(d) for d in tensor.shape]  # GGUF lists the fastest axis first: [cols, rows, experts]
+        return tensor, np.asarray(tensor.data).reshape(dims[-1], -1)[index], dims[1], dims[0]
 
     def release_pages(self) -> None:
         """Drop the file pages read so far from this process's resident set
@@ -122,7 +147,7 @@ class GGUFSource(WeightSource):
 
     def type_name(self, name: str) -> str:
         """The GGUF type the tensor is stored as ("Q4_K", "F32", ...)."""
-        return self._tensors[self._map[name]].tensor_type.name
+        return self._tensors[self._map[name][0]].tensor_type.name
 
     def blocks(self, name: str):
         """The tensor as block-affine integers (ir/quant.py), straight from the
@@ -132,11 +157,14 @@ class GGUFSource(WeightSource):
 
         if name not in self._map:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
-        tensor = self._tensors[self._map[name]]
-        if tensor.tensor_type.name not in quant.SUPPORTED or len(tensor.shape) != 2:
+        tensor, data, rows, cols = self._slice(name)
+        if rows is None:
+            if len(tensor.shape) != 2:
+                return None
+            cols, rows = (int(d) for d in tensor.shape)  # GGUF lists the fastest axis first
+        if tensor.tensor_type.name not in quant.SUPPORTED:
             return None
-        cols, rows = (int(d) for d in tensor.shape)  # GGUF lists the fastest axis first
-        data = np.asarray(tensor.data).reshape(rows, -1)  # whole rows: blocks never cross one
+        data = np.asarray(data).reshape(rows, -1)  # whole rows: blocks never cross one
         if self._fixup is not None:
             data = self._fixup(name, data)  # a row permutation moves whole rows of blocks
         return quant.decode(tensor.tensor_type.name, data, rows, cols)

@@ -1,16 +1,19 @@
 """Model families: one module each, found by HF model_type or GGUF architecture.
 
 A family module provides HF_MODEL_TYPES, GGUF_ARCHS, config_from_hf,
-config_from_gguf, weight_names, gguf_name_map, gguf_fixup and a Forward class.
+config_from_gguf, weight_names, gguf_name_map, gguf_fixup, hf_aliases,
+hf_fixup and a Forward class. What families share lives in decoder.py and
+forward.py; what they differ in is a ModelConfig field (ir/config.py).
 """
 from __future__ import annotations
 
 from types import ModuleType
 
 from hetero_sd.ir.errors import ModelLoadError
-from hetero_sd.ir.families import llama
+from hetero_sd.ir.families import gemma3, llama, mixtral, phi3, qwen3, qwen3_moe, smollm3
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "mixtral": mixtral,
+                                   "gemma3": gemma3, "phi3": phi3, "smollm3": smollm3}
 
 
 def _lookup(attr: str, key: str, what: str) -> ModuleType:

@@ -52,6 +52,11 @@ CHAT_TEMPLATE = (
 )
 
 VARIANTS = ("llama", "llama-tied", "llama-rope-linear", "llama3-rope", "mistral-swa", "qwen2")
+# One per family module beyond Llama's (ir/families), each exercising what the family adds.
+FAMILY_VARIANTS = ("qwen3", "qwen3-moe", "mixtral", "gemma3", "phi3", "smollm3")
+# HF-only variants (llama.cpp has no form for them): dense layers among sparse ones, unnormalised top-k.
+HF_ONLY_VARIANTS = ("qwen3-moe-mixed",)
+NUM_EXPERTS, EXPERTS_PER_TOKEN, EXPERT_WIDTH = 4, 2, 64
 # the same with rows of 256 values (the k-quant super-block) for GGUF block-type tests
 WIDE_VARIANTS = ("llama-wide", "qwen2-wide")
 
@@ -170,13 +175,56 @@ def _config_for(variant: str):
         # Qwen2 lists both <|im_end|> and </s> as end-of-sequence tokens (exercises a list eos).
         return Qwen2Config(**{**common, "eos_token_id": [IM_END_ID, EOS_ID]},
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    family = _family_config(variant, common)
+    if family is not None:
+        return family
     raise ValueError(f"unknown tiny-model variant {variant!r}; known: {', '.join(VARIANTS + WIDE_VARIANTS)}")
 
 
-def _model_class(config):
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+def _family_config(variant: str, common: dict):
+    """The tiny config of a family variant (FAMILY_VARIANTS), or None."""
+    import transformers as tf
 
-    return {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}[config.model_type]
+    theta = {"rope_type": "default", "rope_theta": 10000.0}
+    moe = dict(num_experts_per_tok=EXPERTS_PER_TOKEN)
+    if variant == "qwen3":
+        return tf.Qwen3Config(**common, rope_parameters=theta)
+    if variant in ("qwen3-moe", "qwen3-moe-mixed"):
+        mixed = variant == "qwen3-moe-mixed"
+        return tf.Qwen3MoeConfig(**common, **moe, num_experts=NUM_EXPERTS, moe_intermediate_size=EXPERT_WIDTH,
+                                 norm_topk_prob=not mixed, mlp_only_layers=[0] if mixed else [],
+                                 rope_parameters=theta)
+    if variant == "mixtral":
+        return tf.MixtralConfig(**{**common, "intermediate_size": EXPERT_WIDTH}, **moe, num_local_experts=NUM_EXPERTS,
+                                rope_parameters=theta)
+    if variant == "gemma3":
+        # A windowed layer then a global one, each with its own RoPE (the global one scaled),
+        # the score scale llama.cpp also uses (1/sqrt(head_dim)), logits soft-capped.
+        return tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=HEAD_DIM, final_logit_softcapping=10.0, pad_token_id=None,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1000000.0},
+                                                    "sliding_attention": theta})
+    if variant == "phi3":
+        # RoPE on half of each head, longrope factors (transformers and we agree below 64 positions).
+        half = HEAD_DIM // 4
+        return tf.Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"}, pad_token_id=EOS_ID,
+                             original_max_position_embeddings=64,
+                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5,
+                                              "short_factor": [1.0 + 0.25 * i for i in range(half)],
+                                              "long_factor": [2.0 + i for i in range(half)]})
+    if variant == "smollm3":
+        # four layers: llama.cpp runs every fourth without RoPE, as the default no_rope_layers
+        return tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None, rope_parameters=theta)
+    return None
+
+
+def _model_class(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config
 
 
 @torch.no_grad()
@@ -199,8 +247,8 @@ def _init_weights(model, seed: int, tied: bool) -> None:
             param.copy_(0.5 * torch.randn(param.shape, generator=gen))
         elif name == "lm_head.weight":
             param.copy_(torch.randn(param.shape, generator=gen) * (3.0 / math.sqrt(param.shape[1])))
-        elif param.dim() == 2:
-            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+        elif param.dim() in (2, 3):  # 3: a layer's experts stacked [experts, rows, cols]
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
         else:
             raise AssertionError(f"unexpected parameter {name} {tuple(param.shape)}")
 
@@ -215,7 +263,7 @@ def make_hf_model(out_dir, variant: str, seed: int = 0, shards: int = 1) -> Path
     out_dir.mkdir(parents=True, exist_ok=True)
     config = _config_for(variant)
     torch.manual_seed(seed)
-    model = _model_class(config)(config).to(torch.float32).eval()
+    model = _model_class(config)(config, dtype=torch.float32).to(torch.float32).eval()
     _init_weights(model, seed, tied=config.tie_word_embeddings)
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
