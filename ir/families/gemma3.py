@@ -55,10 +55,15 @@ def config_from_gguf(fields: dict, arch: str, tensor_names: set[str], vector) ->
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     window = fields.get(f"{arch}.attention.sliding_window")
-    # llama.cpp writes no pattern: every sixth layer is global (gemma3.cpp), and
+    # llama.cpp's converter writes no pattern: its loader then takes every sixth
+    # layer as global (a pattern key, a number or one flag per layer, overrides);
     # its score scale is 1/sqrt(head_dim) but for the 27B's (62 layers) hidden/heads.
-    windows = tuple(None if t == "full_attention" else int(window) for t in _pattern_types(layers, 6)) \
-        if window else None
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (int, float)):
+        sliding = [t == "sliding_attention" for t in _pattern_types(layers, int(pattern))]
+    else:
+        sliding = [bool(flag) for flag in pattern]
+    windows = tuple(int(window) if s else None for s in sliding) if window else None
     return llama.config_from_gguf(
         fields, arch, tensor_names, vector, family="gemma3", qk_norm=True, sandwich_norms=True,
         hidden_act="gelu_tanh", embed_scale=math.sqrt(hidden),

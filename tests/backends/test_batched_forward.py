@@ -17,7 +17,11 @@ from helpers.tiny_models import random_prompt
 REGISTRY = discover()
 CASES = [("torch", "fp32", "llama"), ("torch", "fp32", "mistral-swa"),
          ("onnxruntime", "fp32", "llama"), ("onnxruntime", "int4", "llama-tied"),
-         ("onnxruntime", "int8", "qwen2"), ("onnxruntime", "fp32", "mistral-swa")]
+         ("onnxruntime", "int8", "qwen2"), ("onnxruntime", "fp32", "mistral-swa"),
+         # the other families: per-layer windows, MoE routing, NoPE, partial RoPE, q/k norms
+         ("torch", "fp32", "gemma3"), ("torch", "fp32", "qwen3-moe"), ("onnxruntime", "fp32", "gemma3"),
+         ("onnxruntime", "int4", "mixtral"), ("onnxruntime", "fp32", "phi3"), ("onnxruntime", "int8", "smollm3"),
+         ("onnxruntime", "fp32", "qwen3")]
 
 
 def _load(backend, folder, precision):

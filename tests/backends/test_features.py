@@ -65,7 +65,7 @@ def _steps(runner, seq, tokens, prefill=12, verify=6):
     return feats
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral-swa", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "mistral-swa", "qwen2", "gemma3", "qwen3-moe", "phi3"])
 def test_torch_features_equal_transformers_layer_outputs(tiny_model_dir, variant):
     folder = tiny_model_dir(variant)
     tokens = random_prompt(22, seed=3)
@@ -112,7 +112,7 @@ def test_forward_batch_features_are_each_items_rows(tiny_model_dir, backend, pre
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
-@pytest.mark.parametrize("variant", ["llama-tied", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2", "gemma3", "mixtral", "smollm3"])
 def test_graph_fp32_features_close_to_transformers(tiny_model_dir, backend, variant):
     folder = tiny_model_dir(variant)
     tokens = random_prompt(22, seed=4)

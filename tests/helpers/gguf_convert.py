@@ -6,23 +6,33 @@
 GGUF files are written the way llama.cpp's `convert_hf_to_gguf.py` writes them: arch "llama"
 (Llama, Mistral) with the Q/K projection rows permuted for llama.cpp's RoPE layout, arch
 "qwen2" (no permute, q/k/v biases), the same tensor names, metadata keys and tokenizer
-metadata (via `gguf.SpecialVocab`, which is what the converter uses). tiny_models re-exports
-the public names, so callers may import them from either module.
+metadata (via `gguf.SpecialVocab`, which is what the converter uses). The family variants
+(Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3, SmolLM3: tiny_models.FAMILY_VARIANTS) take their
+metadata keys and tensor transforms from gguf_families.py. tiny_models re-exports the public
+names, so callers may import them from either module.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-# Which variants a llama.cpp converter would emit as which GGUF architecture.
+# Which model types a llama.cpp converter would emit as which GGUF architecture.
 GGUF_ARCH = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
+    # the family variants (gguf_families.py)
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp's arch "llama" with experts
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
 }
 
 
@@ -53,11 +63,29 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # what the family variants add
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3: q|k|v rows, kept fused
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate|up rows, kept fused (llama.cpp's ffn_up)
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # the MoE router (Qwen3-MoE)
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",  # Mixtral's
 }
+# Gemma 3's four norms per layer: llama.cpp calls the one before the MLP ffn_norm.
+_GEMMA3_LAYER_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# One expert's matrix (Qwen3-MoE, Mixtral's w1/w3/w2): slice `expert` of its layer's stacked
+# ffn_{gate,up,down}_exps tensor, [experts, rows, cols] with the expert index ascending.
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The llama.cpp name of a Hugging Face tensor name."""
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp name of a Hugging Face tensor name in a GGUF of architecture `arch`
+    (one expert's matrix: its layer's stacked tensor, see `expert_slice`)."""
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -67,9 +95,18 @@ def gguf_tensor_name(hf_name: str) -> str:
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"]:
         rest = ".".join(parts[3:])
-        if rest in _LAYER_NAMES:
-            return f"blk.{parts[2]}.{_LAYER_NAMES[rest]}"
+        table = {**_LAYER_NAMES, **_GEMMA3_LAYER_NAMES} if arch == "gemma3" else _LAYER_NAMES
+        if rest in table:
+            return f"blk.{parts[2]}.{table[rest]}"
+        if (m := _EXPERT.fullmatch(rest)) is not None:
+            return f"blk.{parts[2]}.ffn_{_EXPERT_PART[m.group(2)]}_exps.weight"
     raise KeyError(f"no GGUF name for {hf_name}")
+
+
+def expert_slice(hf_name: str) -> int | None:
+    """The expert index of one expert's matrix (its slice of the stacked tensor); None otherwise."""
+    m = _EXPERT.search(hf_name)
+    return int(m.group(1)) if m is not None else None
 
 
 def _read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
@@ -154,6 +191,8 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
     """
     import gguf
 
+    from helpers import gguf_families
+
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     qtype = qtype.upper()
     ftypes = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
@@ -165,16 +204,40 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
     model_type = cfg["model_type"]
     if model_type not in GGUF_ARCH:
         raise ValueError(f"cannot convert model_type {model_type!r} to GGUF")
-    permute = GGUF_ARCH[model_type] == "llama"
-    arch = arch or GGUF_ARCH[model_type]
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out_path), arch or GGUF_ARCH[model_type])
+    writer.add_name(hf_dir.name)
+    tensors = _read_hf_tensors(hf_dir)
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    if model_type in gguf_families.MODEL_TYPES:
+        gguf_families.add_metadata(writer, cfg, ftypes[qtype])
+        _add_vocab(writer, hf_dir, cfg["vocab_size"])
+        named = gguf_families.gguf_tensors(cfg, tensors, hf_dir)
+    else:
+        extra = _add_llama_metadata(writer, cfg, ftypes[qtype], qtype)
+        _add_vocab(writer, hf_dir, cfg["vocab_size"])
+        named = _llama_tensors(cfg, tensors) + list(extra.items())
+    for gname, data in named:
+        if gname not in drop:
+            _add_tensor(writer, gname, data, qtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _add_llama_metadata(writer, cfg: dict, ftype, qtype: str) -> dict[str, np.ndarray]:
+    """The metadata keys of arch "llama" / "qwen2"; returns the extra tensors (llama3's rope_freqs)."""
+    import gguf
+
     n_head = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     theta, scaling = _rope_params(cfg)
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out_path), arch)
-    writer.add_name(hf_dir.name)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -188,7 +251,7 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(ftypes[qtype])
+    writer.add_file_type(ftype)
     if qtype != "F32":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     extra: dict[str, np.ndarray] = {}
@@ -207,46 +270,40 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
         else:
             raise ValueError(f"rope type {rope_type!r} has no GGUF form here")
     # mistral sliding_window: llama.cpp's arch "llama" has no key for it, so it is dropped.
+    return extra
 
-    _add_vocab(writer, hf_dir, cfg["vocab_size"])
 
-    tensors = _read_hf_tensors(hf_dir)
-    if cfg.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
+def tensor_order(name: str):
+    """The order tensors are written in: the embedding, the layers in turn, then the rest."""
+    if name == "model.embed_tokens.weight":
+        return (0, 0, name)
+    if name.startswith("model.layers."):
+        return (1, int(name.split(".")[2]), name)
+    return (2, 0, name)
 
-    def order(name: str):
-        if name == "model.embed_tokens.weight":
-            return (0, 0, name)
-        if name.startswith("model.layers."):
-            return (1, int(name.split(".")[2]), name)
-        return (2, 0, name)
 
-    for name in sorted(tensors, key=order):
-        gname = gguf_tensor_name(name)
-        if gname in drop:
-            continue
+def _llama_tensors(cfg: dict, tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) of arch "llama" (Q/K rows permuted) / "qwen2"."""
+    permute = GGUF_ARCH[cfg["model_type"]] == "llama"
+    n_head = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    out = []
+    for name in sorted(tensors, key=tensor_order):
         data = tensors[name].astype(np.float32)
         if permute and name.endswith("self_attn.q_proj.weight"):
             data = _permute(data, n_head)
         elif permute and name.endswith("self_attn.k_proj.weight"):
             data = _permute(data, n_kv)
-        _add_tensor(writer, gname, data, qtype)
-    for name, data in extra.items():
-        writer.add_tensor(name, data)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+        out.append((gguf_tensor_name(name), data))
+    return out
 
 
 def _storage_type(gguf_name: str, shape: tuple[int, ...], qtype: str) -> str:
-    """The type convert_hf_to_gguf stores a tensor as: 1-D and norms stay F32; Q8_0 needs rows of
-    a multiple of 32 elements and falls back to F16 otherwise."""
+    """The type convert_hf_to_gguf stores a tensor as: 1-D, norms and MoE routers stay F32;
+    Q8_0 needs rows of a multiple of 32 elements and falls back to F16 otherwise."""
     from helpers.gguf_mixes import MIXES
 
-    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or qtype == "F32":
+    if len(shape) <= 1 or gguf_name.endswith(("_norm.weight", "ffn_gate_inp.weight")) or qtype == "F32":
         return "F32"
     if qtype != "F16" and shape[-1] % 32 != 0:
         return "F16"
@@ -264,8 +321,9 @@ def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
     else:  # a block type
         from helpers.gguf_mixes import encode
 
-        q = encode(kind, data)
-        # q is uint8 [rows, bytes per row]; with raw_dtype set the writer turns that byte
+        # rows of blocks: a stacked [experts, rows, cols] tensor quantizes as experts*rows rows
+        q = encode(kind, data.reshape(-1, data.shape[-1])).reshape(*data.shape[:-1], -1)
+        # q is uint8 [..., rows, bytes per row]; with raw_dtype set the writer turns that byte
         # shape back into the element shape (and reverses it to ggml's order on disk).
         writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType[kind])
 
@@ -288,7 +346,9 @@ def make_roundtrip_hf(hf_dir, out_dir, qtype: str) -> Path:
     """A copy of an HF folder whose weights went through `make_gguf(..., qtype)` storage and back.
 
     Its `hf_logits` are the exact oracle for a GGUF of that qtype: Q/K permutation commutes with
-    Q8_0 (which quantizes blocks of 32 within a row, and the permutation only moves whole rows).
+    Q8_0 (which quantizes blocks of 32 within a row, and the permutation only moves whole rows),
+    and so does stacking experts. Norms are stored F32, so Gemma's 1 + w comes back exactly and
+    the copy keeps w.
     """
     import shutil
 
@@ -297,6 +357,7 @@ def make_roundtrip_hf(hf_dir, out_dir, qtype: str) -> Path:
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     qtype = qtype.upper()
+    arch = GGUF_ARCH[json.loads((hf_dir / "config.json").read_text())["model_type"]]
     if out_dir.exists():
         shutil.rmtree(out_dir)
     shutil.copytree(hf_dir, out_dir)
@@ -305,6 +366,6 @@ def make_roundtrip_hf(hf_dir, out_dir, qtype: str) -> Path:
             meta = h.metadata()
             arrays = {k: h.get_tensor(k) for k in h.keys()}
         for k, v in arrays.items():
-            arrays[k] = roundtrip(v, _storage_type(gguf_tensor_name(k), v.shape, qtype)).astype(v.dtype)
+            arrays[k] = roundtrip(v, _storage_type(gguf_tensor_name(k, arch), v.shape, qtype)).astype(v.dtype)
         save_file(arrays, str(f), metadata=meta)
     return out_dir

@@ -198,10 +198,11 @@ def _family_config(variant: str, common: dict):
         return tf.MixtralConfig(**{**common, "intermediate_size": EXPERT_WIDTH}, **moe, num_local_experts=NUM_EXPERTS,
                                 rope_parameters=theta)
     if variant == "gemma3":
-        # A windowed layer then a global one, each with its own RoPE (the global one scaled),
-        # the score scale llama.cpp also uses (1/sqrt(head_dim)), logits soft-capped.
-        return tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, sliding_window=8,
-                                   layer_types=["sliding_attention", "full_attention"],
+        # Gemma's own pattern: five windowed layers then a global one (what llama.cpp assumes
+        # of a GGUF), each kind with its own RoPE (the global one scaled), the score scale
+        # llama.cpp also uses (1/sqrt(head_dim)), logits soft-capped.
+        return tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": 6},
+                                   sliding_window=8,
                                    query_pre_attn_scalar=HEAD_DIM, final_logit_softcapping=10.0, pad_token_id=None,
                                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                        "rope_theta": 1000000.0},
@@ -228,21 +229,26 @@ def _model_class(config):
 
 
 @torch.no_grad()
-def _init_weights(model, seed: int, tied: bool) -> None:
+def _init_weights(model, seed: int, tied: bool, gemma: bool = False) -> None:
     """Deterministic weights with activations of order one and well separated logits.
 
     Linear weights ~ N(0, 1/fan_in) keep every residual update at unit scale; attention scores
-    come out with a spread of about one (not uniform attention); norm weights are 1 +- 0.2 so
-    a backend that ignores them fails; biases are clearly non-zero; the LM head gives logits with
+    come out with a spread of about one (not uniform attention); norm multipliers are 1 +- 0.2
+    (Gemma stores the offset from one) so a backend that ignores them fails; biases are clearly non-zero; the LM head gives logits with
     a standard deviation of about 3, so the top two logits are usually far apart.
     """
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if name.endswith("embed_tokens.weight"):
-            std = 0.35 if tied else 1.0
+            # Gemma scales its (tied) embedding by sqrt(hidden) = 8: rows of 0.35 / 8 keep the
+            # residual stream at the scale of the layers' updates (else every step copies its input).
+            std = 0.35 / math.sqrt(HIDDEN) ** (1 if gemma else 0) if tied else 1.0
             param.copy_(torch.randn(param.shape, generator=gen) * std)
         elif name.endswith("norm.weight"):
-            param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            # Gemma stores each multiplier's offset from one; its final norm multiplies by ~8
+            # so that the small tied head still gives logits of spread ~3.
+            center = (7.0 if name == "model.norm.weight" else 0.0) if gemma else 1.0
+            param.copy_(center + 0.2 * torch.randn(param.shape, generator=gen))
         elif name.endswith(".bias"):
             param.copy_(0.5 * torch.randn(param.shape, generator=gen))
         elif name == "lm_head.weight":
@@ -264,7 +270,7 @@ def make_hf_model(out_dir, variant: str, seed: int = 0, shards: int = 1) -> Path
     config = _config_for(variant)
     torch.manual_seed(seed)
     model = _model_class(config)(config, dtype=torch.float32).to(torch.float32).eval()
-    _init_weights(model, seed, tied=config.tie_word_embeddings)
+    _init_weights(model, seed, tied=config.tie_word_embeddings, gemma=config.model_type == "gemma3_text")
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 

@@ -16,19 +16,8 @@ import torch
 
 from helpers.tiny_models import VARIANTS, hf_logits, random_prompt
 from hetero_sd.ir import load_model_ir, reference_logits
+from helpers.logits import ATOL, assert_logits_match
 
-ATOL = 1e-4
-
-
-def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL, what: str = ""):
-    assert ours.dtype == torch.float32, f"{what}: reference_logits returned {ours.dtype}, want float32"
-    assert tuple(ours.shape) == tuple(ref.shape), f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
-    diff = (ours - ref).abs()
-    worst = diff.max().item()
-    pos = int(diff.amax(-1).argmax())
-    assert worst <= atol, f"{what}: max |diff| {worst:.3g} > {atol} (worst at position {pos})"
-    # Exact logits agree, so the greedy choices must too (gaps here are far above 1e-4).
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: argmax differs"
 
 
 # ------------------------------------------------------------------------ HF folders
