@@ -106,7 +106,7 @@ def _devices(args) -> int:
     for name, why in sorted(registry.broken.items()):
         table.add_row(name, "-", f"[red]skipped: {why}[/red]", "")
     if args.json:
-        print(json.dumps({"devices": rows, "broken": registry.broken}))
+        print(json.dumps({"devices": rows, "broken": registry.broken, "families": _families()}))
     else:
         console = Console()
         console.print(table)
@@ -117,7 +117,26 @@ def _devices(args) -> int:
                     console.print(f"  {row['backend']}:{row['device']} [bold]{p['name']}[/bold]: {p['note']}",
                                   highlight=False)
         _row_checks(console)
+        console.print("model families every backend above lowers from the IR (hetero-sd models lists them): "
+                      + ", ".join(f["family"] for f in _families()), highlight=False)
     return 0
+
+
+def _families() -> list[dict]:
+    from hetero_sd.ir import families
+
+    return families.supported()
+
+
+def _families_table():
+    from rich.table import Table
+
+    table = Table(title="model families (Hugging Face folders and GGUF files; every backend; docs/models.md)")
+    for col in ("family", "HF model_type", "GGUF architecture", "what it adds to the Llama decoder"):
+        table.add_column(col)
+    for f in _families():
+        table.add_row(f["family"], ", ".join(f["hf_model_types"]), ", ".join(f["gguf_archs"]) or "-", f["what"])
+    return table
 
 
 def _row_checks(console) -> None:
@@ -143,7 +162,7 @@ def _models(args) -> int:
 
     rows = [catalog.status(entry) for entry in catalog.entries()]  # cheap: sizes and markers, no hashing
     if args.json:
-        print(json.dumps({"models": rows}))
+        print(json.dumps({"models": rows, "families": _families()}))
         return 0
     table = Table(title="hetero-sd named models (use the name as `model:` in a config)")
     table.add_column("name", no_wrap=True)  # the one thing to copy into a config: never cut
@@ -162,6 +181,7 @@ def _models(args) -> int:
         if not row["installed"]:
             extra = f"  (or: pip install -e \".[{row['extra']}]\" from a checkout)" if row["extra"] else ""
             console.print(f"install {row['name']}: {row['install']}{extra}", soft_wrap=True, highlight=False)
+    console.print(_families_table())
     return 0
 
 
@@ -195,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("devices", help="list backends, devices and precisions on this host")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     dev.set_defaults(func=_devices)
-    mod = sub.add_parser("models", help="list the named models a config's `model:` accepts",
+    mod = sub.add_parser("models", help="list the named models a config's `model:` accepts, and the model families that load",
                          description="Named models: where they come from (pip packages), whether they are "
                                      "installed here and verified, and how to install them.")
     mod.add_argument("--json", action="store_true", help="print JSON instead of a table")

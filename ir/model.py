@@ -196,7 +196,10 @@ def _load_gguf(path: Path) -> ModelIR:
         return next((tuple(float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).ravel())
                      for t in reader.tensors if t.name == name), None)
 
-    cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors}, vector)
+    try:
+        cfg = fam.config_from_gguf(fields, arch, {t.name for t in reader.tensors}, vector)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
     fam = families.family(cfg.family)  # one GGUF architecture may hold several families (llama: Mixtral)
     source = GGUFSource(reader, path, fam.gguf_name_map(cfg), fam.gguf_fixup(cfg, arch))
     return ModelIR(cfg, source, path, "gguf")

@@ -34,3 +34,14 @@ def family_for_gguf(arch: str) -> ModuleType:
 
 def family(name: str) -> ModuleType:
     return FAMILIES[name]
+
+
+def supported() -> list[dict]:
+    """What loads, family by family: its HF model_types, GGUF architectures and
+    what it adds to the Llama decoder (the module's first docstring line)."""
+    rows = []
+    for name, module in FAMILIES.items():
+        gguf = list(module.GGUF_ARCHS) or (["llama (with experts)"] if name == "mixtral" else [])
+        rows.append({"family": name, "hf_model_types": list(module.HF_MODEL_TYPES), "gguf_archs": gguf,
+                     "what": (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")})
+    return rows

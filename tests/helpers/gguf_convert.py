@@ -183,11 +183,11 @@ def _add_vocab(writer, hf_dir: Path, vocab_size: int) -> None:
 
 
 def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
-              arch: str | None = None) -> Path:
+              arch: str | None = None, drop_keys: Sequence[str] = ()) -> Path:
     """Convert a saved HF folder (from `make_hf_model`) into a llama.cpp-style GGUF file.
 
-    `drop` (GGUF tensor names to leave out) and `arch` (a different general.architecture)
-    exist to build broken files for error-path tests.
+    `drop` (GGUF tensor names to leave out), `drop_keys` (metadata keys to leave out) and
+    `arch` (a different general.architecture) exist to build broken files for error-path tests.
     """
     import gguf
 
@@ -207,6 +207,9 @@ def make_gguf(hf_dir, out_path, qtype: str = "F32", *, drop: Sequence[str] = (),
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out_path), arch or GGUF_ARCH[model_type])
+    if drop_keys:
+        add = writer.add_key_value
+        writer.add_key_value = lambda key, *a, **kw: None if key in drop_keys else add(key, *a, **kw)
     writer.add_name(hf_dir.name)
     tensors = _read_hf_tensors(hf_dir)
     if cfg.get("tie_word_embeddings"):

@@ -123,7 +123,7 @@ def test_devices_json_lists_torch_cpu_fp32(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(out)
-    assert set(data) == {"devices", "broken"}
+    assert set(data) == {"devices", "broken", "families"}
     cpu = [d for d in data["devices"] if d["backend"] == "torch" and d["device"] == "cpu"]
     assert len(cpu) == 1
     cpu = cpu[0]
@@ -242,3 +242,15 @@ def test_bad_sampling_yaml_names_the_key(tiny_model_dir, tmp_path, capsys, key, 
     assert main(["generate", "--config", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and message in err
+
+
+def test_models_and_devices_list_the_families_that_load(capsys):
+    for command in (["models", "--json"], ["devices", "--json"]):
+        assert main(command) == 0
+        rows = {f["family"]: f for f in json.loads(capsys.readouterr().out)["families"]}
+        assert set(rows) == {"llama", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3", "smollm3"}
+        assert rows["gemma3"]["hf_model_types"] == ["gemma3_text"] and rows["qwen3_moe"]["gguf_archs"] == ["qwen3moe"]
+        assert rows["mixtral"]["gguf_archs"] == ["llama (with experts)"]
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "model families" in out and "qwen3moe" in out

@@ -108,3 +108,29 @@ def test_gguf_gemma3_pattern_key_overrides():
         cfg = gemma3.config_from_gguf({**fields, "gemma3.attention.sliding_window_pattern": pattern}, "gemma3",
                                       set(), lambda name: None)
         assert cfg.layer_windows == want
+
+
+def test_gguf_missing_expert_tensor_is_named(tiny_model_dir, tmp_path):
+    """A stacked expert tensor missing from the file: the error names it (HF and GGUF names)."""
+    from helpers.tiny_models import make_gguf
+
+    path = make_gguf(tiny_model_dir("qwen3-moe"), tmp_path / "cut" / "cut.gguf", "F32",
+                     drop=("blk.1.ffn_up_exps.weight",))
+    ir = load_model_ir(path)
+    from hetero_sd.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.experts\.0\.up_proj\.weight"):
+        ir.check_weights()
+
+
+@pytest.mark.parametrize("variant,key", [("qwen3-moe", "qwen3moe.expert_feed_forward_length"),
+                                         ("mixtral", "llama.expert_used_count"),
+                                         ("phi3", "phi3.rope.scaling.original_context_length")])
+def test_gguf_missing_family_key_names_file_and_key(tiny_model_dir, tmp_path, variant, key):
+    from hetero_sd.errors import ModelLoadError
+    from helpers.tiny_models import make_gguf
+
+    path = make_gguf(tiny_model_dir(variant), tmp_path / "cut" / "cut.gguf", "F32", drop_keys=(key,))
+    with pytest.raises(ModelLoadError) as err:
+        load_model_ir(path)
+    assert "cut.gguf" in str(err.value) and repr(key) in str(err.value)
