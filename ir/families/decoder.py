@@ -9,7 +9,6 @@ so one forward and one lowering per backend serve them all.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -7,43 +7,27 @@ from __future__ import annotations
 
 import pytest
 
-from hetero_sd.backends.registry import discover
+from helpers.lossless import assert_lossless, load_runner
 from hetero_sd.drafting import ModelDrafter, NgramDrafter
 from hetero_sd.engine import Engine
-from hetero_sd.ir import load_model_ir
 from hetero_sd.sampling import SamplingParams
 from helpers.tiny_models import FAMILY_VARIANTS, random_prompt
 
-REGISTRY = discover()
 BACKENDS = ["torch", "onnxruntime", "openvino"]
-
-
-def _runner(backend, path, precision="fp32"):
-    if backend not in REGISTRY.backends:
-        pytest.fail(f"backend {backend} missing: install the test extra (pip install -e '.[test]')")
-    return REGISTRY.get(backend).load(load_model_ir(path), "cpu", precision, 4 << 20)
-
-
-def _same(engine, prompt, max_new, label):
-    base = engine.generate_ids(prompt, max_new, target_only=True)
-    spec = engine.generate_ids(prompt, max_new)
-    assert spec.token_ids == base.token_ids, f"{label}: diverged"
-    assert spec.stats.lossless == "exact"
-    return spec.stats
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_speculation_is_lossless(tiny_model_dir, variant, backend):
-    target = _runner(backend, tiny_model_dir(variant))
-    drafts = {seed: _runner("torch", tiny_model_dir(variant, seed=seed)) for seed in (0, 1)}
+    target = load_runner(backend, tiny_model_dir(variant))
+    drafts = {seed: load_runner("torch", tiny_model_dir(variant, seed=seed)) for seed in (0, 1)}
     drafted = accepted = 0
     for k in range(1, 9):
         head = random_prompt(5 + k, seed=k)
-        stats = _same(Engine(target, NgramDrafter(1, 3), k=k), head * 2, 16, f"{variant} ngram -> {backend} k={k}")
+        stats = assert_lossless(Engine(target, NgramDrafter(1, 3), k=k), head * 2, 16, f"{variant} ngram -> {backend} k={k}")
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         model = ModelDrafter(drafts[k % 2 == 0], target.vocab_size)
-        stats = _same(Engine(target, model, k=k), random_prompt(6 + k, seed=40 + k), 16,
+        stats = assert_lossless(Engine(target, model, k=k), random_prompt(6 + k, seed=40 + k), 16,
                       f"{variant} draft model (seed {int(k % 2 == 0)}) -> {backend} k={k}")
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0 < accepted < drafted  # both accepting and rejecting paths ran
@@ -52,7 +36,7 @@ def test_speculation_is_lossless(tiny_model_dir, variant, backend):
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_seeded_sampling_reproduces(tiny_model_dir, variant, backend):
-    target = _runner(backend, tiny_model_dir(variant))
+    target = load_runner(backend, tiny_model_dir(variant))
     engine = Engine(target, NgramDrafter(1, 3), k=4)
     prompt = random_prompt(8, seed=5) * 2
     runs = [engine.generate_ids(prompt, 20, sampling=SamplingParams(temperature=1.0, seed=s)).token_ids
@@ -64,7 +48,7 @@ def test_seeded_sampling_reproduces(tiny_model_dir, variant, backend):
 @pytest.mark.parametrize("backend,precision", [("onnxruntime", "gguf"), ("openvino", "gguf")])
 @pytest.mark.parametrize("variant", FAMILY_VARIANTS)
 def test_gguf_targets_are_lossless(tiny_gguf, variant, backend, precision):
-    target = _runner(backend, tiny_gguf(variant, "Q8_0"), precision)
+    target = load_runner(backend, tiny_gguf(variant, "Q8_0"), precision)
     for k in (1, 3, 8):
         head = random_prompt(6 + k, seed=60 + k)
-        _same(Engine(target, NgramDrafter(1, 3), k=k), head * 2, 16, f"{variant} GGUF {backend} {precision} k={k}")
+        assert_lossless(Engine(target, NgramDrafter(1, 3), k=k), head * 2, 16, f"{variant} GGUF {backend} {precision} k={k}")

@@ -8,13 +8,11 @@ difference left is float32 rounding, so the tolerance stays 1e-4).
 """
 from __future__ import annotations
 
-import os
 
-import numpy as np
 import pytest
 import torch
 
-from helpers.tiny_models import VARIANTS, hf_logits, random_prompt
+from helpers.tiny_models import FAMILY_VARIANTS, VARIANTS, hf_logits, random_prompt
 from hetero_sd.ir import load_model_ir, reference_logits
 from helpers.logits import ATOL, assert_logits_match
 
@@ -70,14 +68,16 @@ def test_sharded_folder_matches_transformers(tiny_model_dir):
 GGUF_VARIANTS = ["llama", "llama-tied", "qwen2"]
 
 
-@pytest.mark.parametrize("variant", GGUF_VARIANTS)
+@pytest.mark.parametrize("variant", GGUF_VARIANTS + list(FAMILY_VARIANTS))
 def test_gguf_f32_weights_equal_hf_weights(tiny_model_dir, tiny_gguf, variant):
-    """Names map to HF names and Q/K rows come back un-permuted, bit for bit."""
+    """Names map to HF names and Q/K rows come back un-permuted, bit for bit (experts sliced
+    out of their stacks; Gemma's norms 1 + w on both sides); every tensor is one the family reads."""
     hf = load_model_ir(tiny_model_dir(variant))
     gg = load_model_ir(tiny_gguf(variant, "F32"))
     hf_names, gg_names = set(hf.weights.names()), set(gg.weights.names())
     # A tied HF checkpoint stores no lm_head; neither does its GGUF (no output.weight).
     assert hf_names == gg_names, f"only in HF: {hf_names - gg_names}; only in GGUF: {gg_names - hf_names}"
+    assert set(gg.check_weights()) == gg_names
     for name in sorted(hf_names):
         a, b = hf.weights.get(name), gg.weights.get(name)
         assert a.dtype == b.dtype == torch.float32, name
