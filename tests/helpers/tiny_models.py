@@ -313,6 +313,19 @@ def hf_logits(hf_dir, token_ids: Sequence[int]) -> torch.Tensor:
     return out.logits[0].to(torch.float32)
 
 
+@torch.no_grad()
+def hf_generate(hf_dir, prompt: Sequence[int], n: int) -> list[int]:
+    """transformers' own greedy `generate`: n new tokens, fewer where it stops at the model's
+    end token (the caller compares that many of its own)."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(hf_dir)
+    # The mask is given: token 0 (BOS) may also be a config's pad id.
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=None, bos_token_id=None)
+    ids = torch.tensor([list(prompt)])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):].tolist()
+
+
 def random_prompt(n: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> list[int]:
     """`n` token ids drawn uniformly, starting with BOS."""
     gen = torch.Generator().manual_seed(seed)
