@@ -30,19 +30,27 @@ def _generate(args) -> int:
                                 target_only=args.target_only)
     if args.explain:
         print(_explain(engine, cfg, args.target_only), file=sys.stderr)
+    # Text goes to stdout as it is committed (a TTY or a pipe alike); --json: one object at the end.
+    stream = None if args.json else _write_now
     try:
-        result = engine.generate(prompt, target_only=args.target_only, constraint=constraint)
+        result = engine.generate(prompt, target_only=args.target_only, constraint=constraint, on_text=stream)
     except GenerationError as exc:
         partial = exc.partial
-        if partial is not None and partial.token_ids:  # never lose what was already produced
-            print(json.dumps({**partial.to_dict(), "error": str(exc)}) if args.json else partial.text)
+        if partial is not None and partial.token_ids:  # never lose what was already produced (streamed: shown)
+            print(json.dumps({**partial.to_dict(), "error": str(exc)}) if args.json else "")
         raise
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        print(result.text)
+        print()
         print(result.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _write_now(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def _explain(engine, cfg, target_only: bool = False) -> str:
@@ -220,11 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "installed here and verified, and how to install them.")
     mod.add_argument("--json", action="store_true", help="print JSON instead of a table")
     mod.set_defaults(func=_models)
-    from hetero_sd import profile_cli
+    from hetero_sd import chat, profile_cli
     from hetero_sd.bench import add_parser as add_bench_parser
     from hetero_sd.serve import cli as serve_cli
     from hetero_sd.training import cli as train_cli
 
+    chat.add_parser(sub)
     profile_cli.add_parser(sub)
     add_bench_parser(sub)
     serve_cli.add_parser(sub)

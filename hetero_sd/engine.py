@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Callable
 
 from hetero_sd.constraint import Constraint
 from hetero_sd.drafting.base import Drafter
@@ -24,7 +25,7 @@ from hetero_sd.request import GenerationResult, Request
 from hetero_sd.sampling import Sampler, SamplingParams
 from hetero_sd.scheduler import FixedDraftLength
 from hetero_sd.stats import GenerationStats
-from hetero_sd.stopping import StopChecker
+from hetero_sd.stopping import StopChecker, TextStream
 
 
 class Engine:
@@ -107,14 +108,15 @@ class Engine:
     def generate(self, prompt: str, max_new_tokens: int | None = None, target_only: bool = False,
                  stop: list[str] | None = None, chat_template: bool | None = None,
                  sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
-                 **sampling_overrides) -> GenerationResult:
+                 on_text: Callable[[str], None] | None = None, **sampling_overrides) -> GenerationResult:
         """Sampling: pass `sampling=SamplingParams(...)` or any of its fields
         (temperature=, top_k=, top_p=, seed=) to override the engine's default.
         `constraint`: hold the output to a grammar (hetero_sd.constraint.Constraint,
         or {"json_schema": {...}} / {"regex": "..."} / {"grammar": "..."} / {"json": True});
-        None uses the engine's default (YAML generation.constraint)."""
+        None uses the engine's default (YAML generation.constraint). on_text: the
+        text as it is committed (generate_ids)."""
         return self.generate_ids(self.encode(prompt, chat_template), max_new_tokens, target_only, stop,
-                                 sampling, constraint, **sampling_overrides)
+                                 sampling, constraint, on_text, **sampling_overrides)
 
     def _guide(self, constraint: Constraint):
         """A fresh grammar state for one request (compiled grammars are cached)."""
@@ -138,20 +140,42 @@ class Engine:
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      target_only: bool = False, stop: list[str] | None = None,
                      sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
+                     on_text: Callable[[str], None] | None = None, prefix=None,
                      **sampling_overrides) -> GenerationResult:
+        """on_text(delta): called with the text as it is committed (deltas add up to the
+        result's text exactly; hetero_sd.stopping.TextStream), the last one before this
+        returns or raises. prefix: a hetero_sd.serve.prefix.PrefixCache whose kept
+        sequence shares the prompt's first tokens copies their KV instead of a prefill,
+        and keeps this request's sequence when it ends (a chat's earlier turns)."""
         req = self.request(prompt_ids, max_new_tokens, stop, self._params(sampling, sampling_overrides),
                            constraint, speculate=not target_only)
+        stream = TextStream(req.stopper) if on_text is not None else None
+        flush = (lambda: on_text(stream.delta())) if stream is not None else None
         try:
-            req.run()
+            req.run(self._copy_prefix(prefix, req, prompt_ids), flush)
         except GenerationError as exc:
             exc.partial = req.close()  # output produced so far is kept
+            if stream is not None:
+                on_text(stream.delta(final=True))
             if exc.partial.token_ids:
                 exc.args = (f"{exc}; {len(exc.partial.token_ids)} tokens were produced before it",)
             raise
         except BaseException:  # Ctrl-C, a request that cannot fit, ...: the sequence is still freed
             req.close()
             raise
-        return req.close()
+        result = req.close(release=prefix is None)
+        if stream is not None:
+            on_text(stream.delta(final=True))
+        if prefix is not None:
+            prefix.offer(req.seq, self.target_runner.tokens(req.seq))
+        return result
+
+    def _copy_prefix(self, prefix, req, prompt_ids: list[int]) -> int:
+        """Positions of the prompt copied from the prefix cache's best match (0: none)."""
+        hit = prefix.find(prompt_ids) if prefix is not None else None
+        if hit is None or not self.target_runner.copy_prefix(hit.seq, req.seq, hit.length):
+            return 0
+        return hit.length
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int | None) -> int:
         """The request's token budget; GenerationError for a request no run could serve."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -98,11 +99,15 @@ class Request:
 
         self.constrainer = Constrainer(guide, eos_ids, self.stats, model_vocab)
 
-    def run(self) -> None:
-        """Prefill, then steps of propose, score, accept, until generation ends."""
-        if self.start():
+    def run(self, cached: int = 0, after_commit: Callable[[], None] | None = None) -> None:
+        """Prefill, then steps of propose, score, accept, until generation ends;
+        `after_commit()` is called whenever tokens were committed and more may follow
+        (a stream's moment to send text). cached: as for start."""
+        if self.start(cached):
             return
         while True:
+            if after_commit is not None:
+                after_commit()
             step = self.propose()
             if step is None or self.accept(step, self.score(step)):
                 return

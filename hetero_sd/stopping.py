@@ -57,10 +57,32 @@ class TextStream:
     """Streamed text: deltas that add up to exactly StopChecker.text(). A delta
     never ends inside a UTF-8 character, inside what may yet become a stop
     string, or in text the newest token could still change when decoded with
-    the next one."""
+    the next one.
+
+    Incremental, as vLLM detokenizes: the settled text grows by decoding a
+    window that starts where the previous delta's tokens began (so a tokenizer
+    that trims a first token's leading space trims it on both sides) and
+    keeping what the window adds beyond its first part. A token costs the
+    decode of a few tokens, not of the whole output."""
 
     def __init__(self, stopper: StopChecker):
         self.stopper, self.sent = stopper, 0
+        self._prefix = self._read = 0  # output offsets: the window's start, the end of what is settled
+        self._settled = ""  # the text of output[:_read]
+
+    def _settle(self) -> str:
+        history = self.stopper.history
+        end = history.output_len - 1  # the newest token is held back
+        if end > self._read:
+            decode = self.stopper.tokenizer.decode
+            window_ids = history.output_since(self._prefix)[:end - self._prefix]
+            head = decode(window_ids[:self._read - self._prefix], skip_special_tokens=True)
+            window = decode(window_ids, skip_special_tokens=True)
+            # A window that ends inside a character waits for the bytes that complete it.
+            if not window.endswith("\ufffd") and window.startswith(head):
+                self._settled += window[len(head):]
+                self._prefix, self._read = self._read, end
+        return self._settled
 
     def delta(self, final: bool = False) -> str:
         s = self.stopper
@@ -69,7 +91,7 @@ class TextStream:
         if final:
             text = s.text()
         else:
-            text = s.tokenizer.decode(s.tokens[:-1], skip_special_tokens=True).rstrip("\ufffd")
+            text = self._settle()
             text = text[:len(text) - _stop_prefix(text, s.stop)]
         out = text[self.sent:] if len(text) > self.sent else ""
         self.sent += len(out)

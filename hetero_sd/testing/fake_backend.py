@@ -311,6 +311,13 @@ class FakeRunner(Runner):
     def take_features(self, seq_id: int):
         return self.inner.take_features(seq_id)
 
+    @property
+    def can_copy_prefix(self) -> bool:  # the wrapped runner's KV copy (uncosted: a memory copy)
+        return self.inner.can_copy_prefix
+
+    def copy_prefix(self, src_id: int, dst_id: int, length: int) -> bool:
+        return self.inner.copy_prefix(src_id, dst_id, length)
+
     def declared_costs(self) -> FakeCosts:
         return self._costs
 
