@@ -41,7 +41,6 @@ from hetero_sd.ir.families.decoder import qkv_names, rope_cos_sin
 from hetero_sd.ir.model import ModelIR
 
 OPSET = 18
-GRAPH_VERSION = 17  # part of the cache key: bump when the graph changes
 DATA_FILE = "weights.bin"
 
 

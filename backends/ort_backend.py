@@ -13,7 +13,7 @@ import numpy as np
 from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, PrecisionInfo, resolve
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
-from hetero_sd.backends.onnx_llama import GRAPH_VERSION, build_llama_onnx
+from hetero_sd.backends.graph_version import GRAPH_VERSION
 from hetero_sd.ir.model import ModelIR
 
 _PROVIDERS = {"CUDAExecutionProvider": "cuda", "CANNExecutionProvider": "npu"}
@@ -61,7 +61,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = F
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
     batched: the graph for several sequences per call (onnx_batch.py)."""
-    import onnx
+    from importlib.metadata import version
+
     import onnxruntime as ort
 
     cfg = model.config
@@ -71,7 +72,7 @@ def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = F
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
-                       onnx=onnx.__version__, ort=ort.__version__, **extra)
+                       onnx=version("onnx"), ort=ort.__version__, **extra)
 
     def build(path):
         if progress is not None:
@@ -80,6 +81,14 @@ def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = F
         build_llama_onnx(model, precision, path, progress, batched=batched)
 
     return cached(folder, "model.onnx", build)
+
+
+def build_llama_onnx(*args, **kwargs):
+    """The lowering (onnx_llama.py), imported only to build a graph: a cached one
+    loads without onnx or torch."""
+    from hetero_sd.backends.onnx_llama import build_llama_onnx as build
+
+    return build(*args, **kwargs)
 
 
 class OrtRunner(GraphRunner):

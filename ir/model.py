@@ -12,15 +12,16 @@ import json
 import operator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from hetero_sd.ir import families
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.ir.config import ModelConfig
 from hetero_sd.ir.errors import ModelLoadError
 from hetero_sd.ir.weights import GGUFSource, SafetensorsSource, WeightSource
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, not by reading a model's description
+    import torch
 
 
 @dataclass
@@ -86,25 +87,35 @@ class ModelIR:
             yield name, self.weights.get(name)
 
     def load_tokenizer(self, progress: Callable[[int, int, str], None] | None = None):
-        """The Hugging Face tokenizer (with its chat template). From a GGUF,
-        transformers builds it by parsing the whole file (seconds to minutes by
-        model size), so the result is saved once to the cache and loaded from there;
-        `progress(0, 0, what)` is told when that build starts."""
-        import transformers
-        from transformers import AutoTokenizer
+        """The tokenizer (with its chat template). From a GGUF, transformers builds it by
+        parsing the whole file (seconds to minutes by model size), so the result is saved
+        once to the cache and read from there; `progress(0, 0, what)` is told when that
+        build starts. A saved fast tokenizer is read without transformers (ir/tokenizer.py)."""
+        from importlib.metadata import version
+
+        from hetero_sd.ir import tokenizer as light
 
         try:
             if self.fmt == "gguf":
                 def build(path: Path) -> None:
+                    from transformers import AutoTokenizer
+
                     if progress is not None:
                         progress(0, 0, "building the tokenizer from the GGUF (once; cached)")
                     tok = AutoTokenizer.from_pretrained(str(self.source.parent), gguf_file=self.source.name)
                     tok.save_pretrained(str(path))
 
-                folder = cache_dir("tokenizer", self.source, transformers=transformers.__version__)
-                return AutoTokenizer.from_pretrained(str(cached(folder, "tokenizer", build)))
-            return AutoTokenizer.from_pretrained(str(self.source))
-        except Exception as exc:  # transformers raises many types here
+                folder = cached(cache_dir("tokenizer", self.source, transformers=version("transformers")),
+                                "tokenizer", build)
+            else:
+                folder = self.source
+            tok = light.load(folder)
+            if tok is None:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(str(folder))
+            return tok
+        except Exception as exc:  # transformers and tokenizers raise many types here
             raise ModelLoadError(f"{self.source}: cannot build a tokenizer ({exc})") from exc
 
 
@@ -205,8 +216,11 @@ def _load_gguf(path: Path) -> ModelIR:
     return ModelIR(cfg, source, path, "gguf")
 
 
-def reference_logits(model: ModelIR, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Logits [T, vocab] of the reference forward on a fresh cache (for tests and tools)."""
+def reference_logits(model: ModelIR, token_ids: list[int], dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+    """Logits [T, vocab] of the reference forward on a fresh cache (for tests and tools); float32 by default."""
+    import torch
+
+    dtype = dtype or torch.float32
     cfg = model.config
     weights = {n: t.to(dtype) for n, t in model.iter_weights()}
     forward = model.family.Forward(cfg, weights, dtype)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from hetero_sd.ir.errors import ModelLoadError
+
+if TYPE_CHECKING:  # tensors are made on demand; describing a model imports no torch
+    import torch
 
 
 class WeightSource:
@@ -63,11 +65,12 @@ class SafetensorsSource(WeightSource):
             if not path.exists():
                 raise ModelLoadError(f"{folder}: shard {fname} named in the index is missing")
             try:
-                handle = safe_open(str(path), framework="pt")
+                # The names, read without torch (a lowering served from its cache never needs
+                # a tensor); tensors come through a torch handle opened on first use.
+                keys = safe_open(str(path), framework="numpy").keys()
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
-            self._handles[fname] = handle
-            for key in handle.keys():
+            for key in keys:
                 self._where[ir_name.get(key, key)] = (fname, key)
 
     def names(self) -> list[str]:
@@ -76,7 +79,13 @@ class SafetensorsSource(WeightSource):
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"{self.folder}: tensor {name!r} is missing from the safetensors files")
+        import torch
+
+        from safetensors import safe_open
+
         fname, stored = self._where[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
         # copy: a float32 tensor would otherwise alias the memory-mapped file
         tensor = self._handles[fname].get_tensor(stored).to(torch.float32, copy=True)
         return self._fixup(name, tensor) if self._fixup is not None else tensor
@@ -120,6 +129,8 @@ class GGUFSource(WeightSource):
             array = self._fixup(name, array)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)  # F32 tensors are read-only views of the mmap
+        import torch
+
         return torch.from_numpy(array)
 
     def _slice(self, name: str):

@@ -89,6 +89,9 @@ class GuideCompiler:
         # The grammar sees every id the tokenizer has; a model whose output layer is
         # narrower (a tokenizer with added tokens past it) scores only the first
         # `vocab`, and masks are cut to the logits' width where they are applied.
+        from hetero_sd.ir.tokenizer import as_transformers
+
+        tokenizer = as_transformers(tokenizer)  # llguidance reads a transformers tokenizer's backend
         self.vocab = max(vocab, _tokenizer_size(tokenizer))
         self._tokenizer = _ll_tokenizer(tokenizer, self.vocab, tuple(sorted(eos_ids)))
         self._compiled: OrderedDict[tuple, object] = OrderedDict()

@@ -9,11 +9,12 @@ so one forward and one lowering per backend serve them all.
 from __future__ import annotations
 
 import math
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from hetero_sd.ir.config import ModelConfig
+
+if TYPE_CHECKING:  # RoPE and the forward make tensors; reading a config imports no torch
+    import torch
 
 
 # ---------------------------------------------------------------- names
@@ -105,9 +106,11 @@ def gguf_name_map(cfg: ModelConfig) -> dict[str, str | tuple[str, int]]:
 
 
 # ---------------------------------------------------------------- RoPE
-def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> "torch.Tensor":
     """Inverse frequencies of the first rope_dim of a head. `local`: the
     windowed layers' own unscaled base (Gemma 3); `long`: longrope's long factors."""
+    import torch
+
     dim = cfg.rope_dim
     theta = cfg.local_rope_theta if local else cfg.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -135,13 +138,15 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False, long: bool = False) -> 
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, local: bool = False):
+def rope_cos_sin(cfg: ModelConfig, positions: "torch.Tensor", local: bool = False):
     """float32 cos and sin [n, rope_dim] at integer `positions`.
 
     longrope (Phi-3): positions below original_max_position_embeddings take the
     short factors, later ones the long, every one scaled by the attention
     factor. transformers instead switches every position of a call to the long
     factors once the call reaches past that length, so the two agree up to it."""
+    import torch
+
     pos = positions.to(torch.float32)[:, None]
     sc = None if local else cfg.rope_scaling
     scale = 1.0
@@ -157,12 +162,16 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, local: bool = False)
     return emb.cos() * scale, emb.sin() * scale
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
@@ -171,4 +180,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def activation(name: str):
+    import torch.nn.functional as F
+
     return {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[name]
+

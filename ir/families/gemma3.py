@@ -13,8 +13,9 @@ import math
 from hetero_sd.ir.config import ModelConfig
 from hetero_sd.ir.errors import ModelLoadError
 from hetero_sd.ir.families import llama
-from hetero_sd.ir.families.llama import Forward, gguf_fixup, gguf_name_map, hf_aliases, weight_names  # noqa: F401
+from hetero_sd.ir.families.llama import gguf_fixup, gguf_name_map, hf_aliases, weight_names  # noqa: F401
 
+__getattr__ = llama.__getattr__  # Forward: the shared reference forward
 HF_MODEL_TYPES = ("gemma3_text",)
 GGUF_ARCHS = ("gemma3",)
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

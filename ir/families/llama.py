@@ -14,7 +14,17 @@ from hetero_sd.ir.config import ModelConfig, MoEConfig
 from hetero_sd.ir.errors import ModelLoadError
 from hetero_sd.ir.families import decoder
 from hetero_sd.ir.families.decoder import rope_inv_freq  # noqa: F401  (re-exported: heads and lowerings use it)
-from hetero_sd.ir.families.forward import Forward  # noqa: F401  (the family's forward: the shared one)
+
+
+def __getattr__(name: str):
+    """`Forward`, the reference forward every family shares, imported when first asked
+    for: a backend that never runs it never imports torch."""
+    if name == "Forward":
+        from hetero_sd.ir.families.forward import Forward
+
+        return Forward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_ARCHS = ("llama", "qwen2")

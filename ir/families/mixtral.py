@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from hetero_sd.ir.config import ModelConfig, MoEConfig
 from hetero_sd.ir.families import llama
-from hetero_sd.ir.families.llama import Forward, gguf_fixup, gguf_name_map, hf_fixup, weight_names  # noqa: F401
+from hetero_sd.ir.families.llama import gguf_fixup, gguf_name_map, hf_fixup, weight_names  # noqa: F401
 
+__getattr__ = llama.__getattr__  # Forward: the shared reference forward
 HF_MODEL_TYPES = ("mixtral",)
 GGUF_ARCHS = ()  # "llama" with expert_count: llama.config_from_gguf names this family
 

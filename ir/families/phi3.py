@@ -6,8 +6,9 @@ from __future__ import annotations
 from hetero_sd.ir.config import ModelConfig
 from hetero_sd.ir.families import llama
 from hetero_sd.ir.families.llama import (  # noqa: F401  (the family's names, shared)
-    Forward, gguf_fixup, gguf_name_map, hf_aliases, hf_fixup, weight_names)
+    gguf_fixup, gguf_name_map, hf_aliases, hf_fixup, weight_names)
 
+__getattr__ = llama.__getattr__  # Forward: the shared reference forward
 HF_MODEL_TYPES = ("phi3",)
 GGUF_ARCHS = ("phi3",)
 _FUSED = dict(fused_qkv=True, fused_gate_up=True)

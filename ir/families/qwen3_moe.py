@@ -6,8 +6,9 @@ from __future__ import annotations
 from hetero_sd.ir.config import ModelConfig, MoEConfig
 from hetero_sd.ir.families import llama
 from hetero_sd.ir.families.llama import (  # noqa: F401  (the family's names, shared)
-    Forward, gguf_fixup, gguf_name_map, hf_aliases, hf_fixup, weight_names)
+    gguf_fixup, gguf_name_map, hf_aliases, hf_fixup, weight_names)
 
+__getattr__ = llama.__getattr__  # Forward: the shared reference forward
 HF_MODEL_TYPES = ("qwen3_moe",)
 GGUF_ARCHS = ("qwen3moe",)
 

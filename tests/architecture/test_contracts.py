@@ -26,7 +26,7 @@ DRAFTER_OPTIONAL = {"can_fork": False, "fork": None, "takes_guide": True, "featu
 def _runner_classes():
     from hetero_sd.backends.openvino_backend import OpenVINORunner
     from hetero_sd.backends.ort_backend import OrtRunner
-    from hetero_sd.backends.torch_backend import TorchRunner
+    from hetero_sd.backends.torch_runner import TorchRunner
     from hetero_sd.cluster.ray_target import RayRunner
     from hetero_sd.failover import FailoverRunner
     from hetero_sd.testing.fake_backend import FakeRunner
