@@ -6,16 +6,24 @@ stops the reply and the session goes on.
 
 The model runs on the fake device wrapping onnxruntime int4 (the default
 config's target): the same tokens, each decode step lasting a declared
-0.04 s, so a reply is still running when Ctrl-C arrives on any host."""
+0.04 s, so a reply is still running when Ctrl-C arrives on any host.
+
+The child is started by subprocess (no Python runs between fork and exec: a
+pytest process that has loaded native runtimes may crash a child forked the
+way pexpect.spawn forks), its stdin, stdout and stderr on a pseudo-terminal
+that pexpect drives; Ctrl-C is the SIGINT a terminal sends for it."""
 from __future__ import annotations
 
 import json
 import os
+import pty
 import re
+import signal
+import subprocess
 import sys
 
-import pexpect
 import pytest
+from pexpect import fdpexpect
 
 from hetero_sd.config import load_config
 from hetero_sd.engine import Engine
@@ -43,8 +51,11 @@ def _reply(child) -> str:
 def test_chat_session_under_a_terminal(smollm2_gguf, tmp_path):
     config = _config(tmp_path / "slow.yaml", smollm2_gguf, "fake", "fake:0", "int4", 24)
     env = {**os.environ, **SLOW, "PYTHONIOENCODING": "utf-8", "COLUMNS": "200"}
-    child = pexpect.spawn(sys.executable, ["-m", "hetero_sd.cli", "chat", "--config", config], cwd=str(REPO),
-                          env=env, encoding="utf-8", timeout=180)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_sd.cli", "chat", "--config", config], cwd=REPO, env=env,
+                            stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    child = fdpexpect.fdspawn(leader, encoding="utf-8", timeout=180)
     child.expect("> ")
     replies, stats = [], []
     for turn in TURNS:
@@ -61,16 +72,15 @@ def test_chat_session_under_a_terminal(smollm2_gguf, tmp_path):
     child.sendline("Write a long story about a robot.")
     child.expect_exact("story about a robot.\r\n")
     child.expect(r"\S", timeout=120)  # the reply has begun
-    child.sendintr()  # Ctrl-C
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
     child.expect_exact("(reply stopped)")
     child.expect("> ")
     child.sendline("/stats")
     child.expect("interrupted")
     child.expect("> ")
     child.sendline("/exit")
-    child.expect(pexpect.EOF)
+    assert proc.wait(timeout=60) == 0
     child.close()
-    assert child.exitstatus == 0
 
     # each reply equals generate on the same conversation (greedy: speculation changes nothing)
     engine = Engine.from_config(load_config(_config(tmp_path / "ort.yaml", smollm2_gguf, "onnxruntime", "cpu",
