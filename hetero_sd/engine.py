@@ -140,15 +140,17 @@ class Engine:
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      target_only: bool = False, stop: list[str] | None = None,
                      sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
-                     on_text: Callable[[str], None] | None = None, prefix=None,
+                     on_text: Callable[[str], None] | None = None, prefix=None, logprobs: int | None = None,
                      **sampling_overrides) -> GenerationResult:
         """on_text(delta): called with the text as it is committed (deltas add up to the
         result's text exactly; hetero_sd.stopping.TextStream), the last one before this
         returns or raises. prefix: a hetero_sd.serve.prefix.PrefixCache whose kept
         sequence shares the prompt's first tokens copies their KV instead of a prefill,
-        and keeps this request's sequence when it ends (a chat's earlier turns)."""
+        and keeps this request's sequence when it ends (a chat's earlier turns).
+        logprobs: report each token's log-probability and this many top alternatives
+        (GenerationResult.logprobs)."""
         req = self.request(prompt_ids, max_new_tokens, stop, self._params(sampling, sampling_overrides),
-                           constraint, speculate=not target_only)
+                           constraint, speculate=not target_only, logprobs=logprobs)
         stream = TextStream(req.stopper) if on_text is not None else None
         flush = (lambda: on_text(stream.delta())) if stream is not None else None
         try:
@@ -192,13 +194,15 @@ class Engine:
 
     def request(self, prompt_ids: list[int], max_new_tokens: int | None = None, stop: list[str] | None = None,
                 sampling: SamplingParams | None = None, constraint: Constraint | dict | None = None,
-                speculate: bool = True, learn_timings: bool = True, concurrent: bool = False) -> Request:
+                speculate: bool = True, learn_timings: bool = True, concurrent: bool = False,
+                logprobs: int | None = None) -> Request:
         """One request, its target sequence allocated (hetero_sd.request.Request drives it).
         sampling None: the engine's default; constraint None: the engine's default, if any.
         speculate False: target-only. concurrent: the request runs beside others (the
         batching server), so it drafts with a fork of the drafter and a copy of the
         draft-length policy (and target-only when the drafter cannot fork).
-        learn_timings False: the policy learns from acceptance alone.
+        learn_timings False: the policy learns from acceptance alone. logprobs: each
+        committed token's log-probability and this many top alternatives (None: off).
         A request that is not concurrent drafts with the engine's own drafter and
         policy: run one such request at a time (generate does), and concurrent=True
         for more."""
@@ -218,11 +222,16 @@ class Engine:
         history = TokenHistory(prompt_ids)
         stopper = StopChecker(history, budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
         guide = None if constraint is None else self._guide(constraint)  # a bad grammar fails here, before any token
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"logprobs asks for {logprobs} top tokens; allowed: 0..{MAX_TOP_LOGPROBS}")
         req = Request(self.target_runner, drafter, policy, None if params.greedy else Sampler(params), stopper,
-                      stats, history, learn_timings)
+                      stats, history, learn_timings, logprobs)
         if guide is not None:
             req.constrain(guide, self.eos_ids, self.target_runner.vocab_size)
         return req
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
 
 
 def encode_text(tokenizer, prompt: str, chat_template: bool) -> list[int]:

@@ -46,13 +46,27 @@ from hetero_sd.stopping import StopChecker
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's log-probability under the target's distribution for its
+    position, after the request's sampling warps and grammar mask (the distribution
+    it was decided from), and the `top` most likely (token, log-probability) pairs."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": e.top} for e in self.logprobs]
+        return out
 
 
 class Request:
@@ -61,7 +75,8 @@ class Request:
     has been told. Made by Engine.request."""
 
     def __init__(self, target: FailoverRunner, drafter: FailoverDrafter | None, policy, sampler: Sampler | None,
-                 stopper: StopChecker, stats: GenerationStats, history: TokenHistory, learn_timings: bool = True):
+                 stopper: StopChecker, stats: GenerationStats, history: TokenHistory, learn_timings: bool = True,
+                 logprobs: int | None = None):
         self.target, self.drafter, self.policy, self.sampler = target, drafter, policy, sampler
         self.stopper, self.stats, self.history = stopper, stats, history
         # Drafts are capped at the tokens still wanted, so no verify writes past
@@ -80,6 +95,10 @@ class Request:
         # told to the drafter: a head drafter reads them (a target loaded with
         # feature layers only when one is configured).
         self.features: list | None = [] if drafter is not None and target.feature_layers else None
+        # logprobs: None, or how many top alternatives each committed token reports with its
+        # own log-probability; the rows of the latest scored call, as log-probabilities.
+        self.logprobs, self.token_logprobs = logprobs, ([] if logprobs is not None else None)
+        self._log_rows: np.ndarray | None = None
         self._step: VerifyRequest | None = None  # the step proposed and not yet accepted
         self._step_at, self._step_draft_s, self._step_speculating = 0.0, None, False
 
@@ -162,8 +181,14 @@ class Request:
         if self.constrainer is not None:
             logits = self.constrainer.apply(logits)
         if self.sampler is None:
+            if self.logprobs is not None:
+                self._log_rows = _log_softmax(logits)
             return [int(i) for i in logits.argmax(-1)]
-        return self.sampler.probs(logits)
+        probs = self.sampler.probs(logits)
+        if self.logprobs is not None:
+            with np.errstate(divide="ignore"):  # a token the warps removed: log 0 = -inf
+                self._log_rows = np.log(probs)
+        return probs
 
     def accept(self, step: VerifyRequest, scored, verify_s: float | None = None) -> bool:
         """Accept against the target's scores for the step's rows and commit (the
@@ -206,11 +231,11 @@ class Request:
         stats = self.stats
         stats.total_s, stats.new_tokens = time.perf_counter() - self.started_at, self.history.output_len
         stats.finish_reason = self.stopper.reason
-        return GenerationResult(self.stopper.text(), self.history.output, stats)
+        return GenerationResult(self.stopper.text(), self.history.output, stats, self.token_logprobs)
 
     # ------------------------------------------------------------ inside the phases
     def _scored(self, tokens: list[int], start: int, n: int):
-        if self.constrainer is None and self.sampler is None:
+        if self.constrainer is None and self.sampler is None and self.logprobs is None:
             return self.target.greedy(self.seq, tokens, start, n)
         return self.score_logits(self.target.forward(self.seq, tokens, start, n))
 
@@ -267,7 +292,9 @@ class Request:
         """Append committed tokens to the history (the stop checker does); True when
         generation is over."""
         con = self.constrainer
-        for token in tokens:
+        for i, token in enumerate(tokens):
+            if self.token_logprobs is not None and token not in self.stopper.eos_ids:
+                self.token_logprobs.append(self._logprob(i, token))
             if con is not None and token not in self.stopper.eos_ids and con.commit(token):
                 # The language ended: stop where target-only would. A stop string this
                 # token completes keeps its reason (the text is cut there).
@@ -280,4 +307,22 @@ class Request:
         return False
 
 
-__all__ = ["GenerationResult", "Request"]
+    def _logprob(self, row: int, token: int) -> TokenLogprob:
+        """Token `token`'s entry from row `row` of the latest scored call (the row that decided it)."""
+        lp = self._log_rows[row]
+        top = []
+        if self.logprobs:
+            best = np.argpartition(-lp, self.logprobs - 1)[:self.logprobs]
+            best = best[np.lexsort((best, -lp[best]))]  # most likely first; ties by id
+            top = [(int(t), float(lp[t])) for t in best]
+        return TokenLogprob(int(token), float(lp[token]), top)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of float32 logits rows (a masked -inf stays -inf)."""
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+__all__ = ["GenerationResult", "Request", "TokenLogprob"]

@@ -254,7 +254,7 @@ def _to_request(state: ServerState, request: HTTPRequest, body: p._Generate, ids
     stops = body.stops()
     return Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
                    list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
-                   body.constraint())
+                   body.constraint(), body.top_logprobs)
 
 
 def _priority(request: HTTPRequest, body: p._Generate) -> float:
@@ -272,6 +272,7 @@ class _Pending:
         self.done = False
         # The batch engine calls back on its thread; the queue belongs to this loop.
         self.handle = state.batch.submit(req, lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
+        self.logprobs = req.logprobs is not None
 
     async def next(self, request: HTTPRequest) -> Event | None:
         """The next event; None once the client has gone."""
@@ -297,17 +298,19 @@ async def _serve(state: ServerState, request: HTTPRequest, kind: p.Kind, body: p
     pending = _Pending(state, req)  # GenerationError / QueueFull / ShuttingDown: mapped by the handlers
     rid = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
     head = p.envelope(kind, rid, state.model_name, p.now(), body.stream)
+    decode = state.engine.tokenizer.decode
     if body.stream:
-        return StreamingResponse(_sse(pending, request, kind, head, len(ids), body.include_usage),
+        return StreamingResponse(_sse(pending, request, kind, head, len(ids), body.include_usage, decode),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _whole(pending, request, kind, head, len(ids))
+    return await _whole(pending, request, kind, head, len(ids), decode)
 
 
-async def _whole(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int):
-    text = []
+async def _whole(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int, decode):
+    text, entries = [], []
     try:
         while (event := await pending.next(request)) is not None:
             text.append(event.text)
+            entries += event.logprobs or []
             if event.finish_reason is not None:
                 break
     finally:
@@ -317,13 +320,15 @@ async def _whole(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: di
     if event.finish_reason == "error":
         return error(500, f"generation failed: {event.error}", "server_error")
     result = event.result
-    return {**head, "choices": [p.choice(kind, "".join(text), p.FINISH.get(event.finish_reason, "stop"), False)],
+    logprobs = p.logprobs_body(kind, entries, decode) if pending.logprobs else None
+    return {**head, "choices": [p.choice(kind, "".join(text), p.FINISH.get(event.finish_reason, "stop"), False,
+                                         logprobs)],
             "usage": p.usage(prompt_tokens, result),
             "speculation": p.speculation(result.stats if result else None)}
 
 
 def _sse(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int,
-         include_usage: bool):
+         include_usage: bool, decode):
     def chunk(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -332,9 +337,14 @@ def _sse(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prom
             if kind == "chat":  # OpenAI's first chat chunk names the role
                 yield chunk({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "finish_reason": None}]})
+            offset = 0  # characters of the tokens sent so far (completions' text_offset)
             while (event := await pending.next(request)) is not None:
-                if event.text:
-                    yield chunk({**head, "choices": [p.choice(kind, event.text, None, True)]})
+                if event.text or event.logprobs:
+                    logprobs = None
+                    if pending.logprobs:
+                        logprobs = p.logprobs_body(kind, event.logprobs or [], decode, offset)
+                        offset += sum(len(decode([e.token])) for e in event.logprobs or [])
+                    yield chunk({**head, "choices": [p.choice(kind, event.text, None, True, logprobs)]})
                 if event.finish_reason is not None:
                     yield chunk(_final(kind, head, event))
                     if include_usage:

@@ -51,6 +51,7 @@ class Submission:
     priority: float = 0.0
     speculate: bool = True  # False: target-only for this request
     constraint: object = None  # hetero_sd.constraint.Constraint (None: the engine's default, if any)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: off)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Event:
     finish_reason: str | None = None
     result: object = None  # hetero_sd.request.GenerationResult on the final event
     error: str | None = None
+    logprobs: list | None = None  # hetero_sd.request.TokenLogprob of token_ids, when asked for
 
 
 class Handle:
@@ -226,7 +228,7 @@ class BatchEngine:
                 # tokens whatever runs beside it.
                 req = self.engine.request(sub.prompt_ids, sub.max_new_tokens, sub.stop, sub.sampling,
                                           sub.constraint, speculate=sub.speculate, learn_timings=False,
-                                          concurrent=True)
+                                          concurrent=True, logprobs=sub.logprobs)
                 break
             except KVBudgetError:  # the pool's room goes to running requests before cached prefixes
                 if self.prefix is None or not self.prefix.evict():
@@ -299,7 +301,7 @@ class BatchEngine:
             live.sent_tokens += len(new)
             if live.handle.first_token_at is None:
                 live.handle.first_token_at = time.monotonic()
-            self._deliver(live.handle, Event(live.stream.delta(), list(new)))
+            self._deliver(live.handle, Event(live.stream.delta(), list(new), logprobs=_logprobs_of(live, len(new))))
 
     def _end(self, live: _Live, reason: str | None, error: str | None = None) -> None:
         """Close the run (its sequence freed) and send the final event."""
@@ -316,16 +318,18 @@ class BatchEngine:
         new = list(result.token_ids[live.sent_tokens:])
         if new and live.handle.first_token_at is None:
             live.handle.first_token_at = time.monotonic()
-        self._emit_final(live.handle, result, reason, error, live.stream.delta(final=True), new)
+        live.sent_tokens += len(new)
+        self._emit_final(live.handle, result, reason, error, live.stream.delta(final=True), new,
+                         _logprobs_of(live, len(new)))
 
     def _emit_final(self, handle: Handle, result, reason: str, error: str | None = None, text: str = "",
-                    new: list[int] | None = None) -> None:
+                    new: list[int] | None = None, logprobs: list | None = None) -> None:
         if self.on_finish is not None:
             try:
                 self.on_finish(handle, result)
             except Exception:
                 log.exception("on_finish failed")
-        self._deliver(handle, Event(text, new or [], reason, result, error))
+        self._deliver(handle, Event(text, new or [], reason, result, error, logprobs))
 
     @staticmethod
     def _deliver(handle: Handle, event: Event) -> None:
@@ -339,3 +343,9 @@ class BatchEngine:
             self._emit_final(h, None, "abort")
         for live in list(self._running):
             self._end(live, "abort")
+
+
+def _logprobs_of(live: _Live, n: int) -> list | None:
+    """The logprobs of the request's n newest sent tokens (None: not asked for)."""
+    entries = live.req.token_logprobs
+    return None if entries is None else entries[live.sent_tokens - n:live.sent_tokens]

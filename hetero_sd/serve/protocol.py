@@ -4,7 +4,7 @@ Requests are validated strictly (a number must be a JSON number, a bool is not
 a number, "5" is not an int) so a client's mistake is a 400 naming the field,
 not a silently converted value. Unknown fields are ignored, as OpenAI's own
 server and vLLM do; fields that would change the output but are not
-implemented (penalties, logprobs) are refused rather than
+implemented (penalties, n > 1, echo) are refused rather than
 ignored, so no client believes it got what it asked for.
 """
 from __future__ import annotations
@@ -109,18 +109,23 @@ class _Generate(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's bound
+
+
 class CompletionRequest(_Generate):
     # a string, a list of one string, token ids, or a list of one token-id list
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None  # each token's log-probability and this many alternatives
     echo: bool = False
 
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs is not supported"
         if self.echo:
             return "echo is not supported"
         return super().unsupported()
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or token ids); ValueError for none or several."""
@@ -155,11 +160,17 @@ class ChatRequest(_Generate):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
+    top_logprobs_: TopLogprobs | None = Field(None, alias="top_logprobs")
 
     def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs is not supported"
+        if self.top_logprobs_ is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
         return super().unsupported()
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """How many alternatives each token reports (None: no logprobs)."""
+        return (self.top_logprobs_ or 0) if self.logprobs else None
 
     @property
     def budget(self) -> int | None:
@@ -198,17 +209,49 @@ def envelope(kind: Kind, rid: str, model: str, created: int, stream: bool) -> di
     return {"id": rid, "object": obj, "created": created, "model": model}
 
 
-def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool) -> dict:
-    """One choice: `text` for completions; `message` (whole) or `delta` (streamed) for chat."""
+def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool,
+           logprobs: dict | None = None) -> dict:
+    """One choice: `text` for completions; `message` (whole) or `delta` (streamed) for chat;
+    `logprobs` as logprobs_body made it (None: not asked for)."""
     out: dict = {"index": 0}
     if kind == "completion":
-        out.update(text=text or "", logprobs=None)
-    elif stream:
-        out["delta"] = {} if text is None else {"content": text}
+        out.update(text=text or "", logprobs=logprobs)
     else:
-        out["message"] = {"role": "assistant", "content": text or ""}
+        if stream:
+            out["delta"] = {} if text is None else {"content": text}
+        else:
+            out["message"] = {"role": "assistant", "content": text or ""}
+        out["logprobs"] = logprobs
     out["finish_reason"] = finish_reason
     return out
+
+
+def logprobs_body(kind: Kind, entries, decode, text_offset: int = 0) -> dict:
+    """OpenAI's logprobs of some committed tokens (hetero_sd.request.TokenLogprob): for chat
+    {"content": [{token, logprob, bytes, top_logprobs}]}; for completions the legacy
+    {tokens, token_logprobs, top_logprobs, text_offset}, offsets counted from `text_offset`."""
+    def piece(token: int) -> str:
+        return decode([token])
+
+    if kind == "chat":
+        def item(token, logprob):
+            text = piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(text_offset)
+        tokens.append(piece(e.token))
+        text_offset += len(tokens[-1])
+    def top(entry) -> dict:  # keyed by text: of ids that decode alike, the likeliest (listed first) stays
+        out: dict = {}
+        for t, lp in entry.top:
+            out.setdefault(piece(t), lp)
+        return out
+
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [top(e) for e in entries], "text_offset": offsets}
 
 
 def now() -> int:
