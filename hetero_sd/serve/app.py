@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import math
 import threading
@@ -25,18 +24,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetero_sd.errors import GenerationError, HeteroSDError
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.serve import protocol as p
-from hetero_sd.serve.batch import BatchEngine, Event, QueueFull, ShuttingDown, Submission
+from hetero_sd.serve.batch import BatchEngine, QueueFull, ShuttingDown, Submission
 from hetero_sd.serve.metrics import Metrics, placement
+from hetero_sd.serve.responses import serve_choices
 
 log = logging.getLogger("hetero_sd.serve")
 
-POLL_S = 0.5  # how often a waiting response checks that its client is still there
 MAX_BODY = 8 * 2**20  # bytes; a request body past it is refused before it is read
 
 
@@ -209,12 +208,15 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             raise GenerationError(str(exc)) from None
         ids = state.engine.encode(prompt, chat_template=False) if isinstance(prompt, str) else \
             _checked_ids(state, prompt)
-        return await _serve(state, request, "completion", body, ids, body.max_tokens)
+        return await serve_choices(state, request, "completion", body, ids, _submissions(state, request, body, ids,
+                                                                                          body.max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, request: HTTPRequest):
         _refuse_unsupported(body)
-        return await _serve(state, request, "chat", body, _chat_ids(state, body), body.budget)
+        ids = _chat_ids(state, body)
+        return await serve_choices(state, request, "chat", body, ids, _submissions(state, request, body, ids,
+                                                                                    body.budget))
 
 
 def _refuse_unsupported(body: p._Generate) -> None:
@@ -242,129 +244,25 @@ def _chat_ids(state: ServerState, body: p.ChatRequest) -> list[int]:
         raise GenerationError(f"the messages do not fit the model's chat template: {exc}") from None
 
 
-def _to_request(state: ServerState, request: HTTPRequest, body: p._Generate, ids: list[int],
-                max_tokens: int | None) -> Submission:
-    """A batch Submission; absent fields take the engine's (the config's) defaults, as `generate` does,
-    and an absent priority the API key's."""
+def _submissions(state: ServerState, request: HTTPRequest, body: p._Generate, ids: list[int],
+                 max_tokens: int | None) -> list[Submission]:
+    """One batch Submission per choice (n); absent fields take the engine's (the config's)
+    defaults, as `generate` does, and an absent priority the API key's. With a seed, choice i
+    samples with seed + i: the choices differ, and each reproduces."""
     engine, base = state.engine, state.engine.sampling
     top_k = base.top_k if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 means off
-    params = SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,
-                            base.top_p if body.top_p is None else body.top_p,
-                            base.seed if body.seed is None else body.seed)
-    stops = body.stops()
-    return Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens, params,
-                   list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
-                   body.constraint(), body.top_logprobs)
+    seed = base.seed if body.seed is None else body.seed
+    stops, constraint = body.stops(), body.constraint()
+    return [Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens,
+                       SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,
+                                      base.top_p if body.top_p is None else body.top_p,
+                                      None if seed is None else seed + i),
+                       list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
+                       constraint, body.top_logprobs)
+            for i in range(body.n)]
 
 
 def _priority(request: HTTPRequest, body: p._Generate) -> float:
     if "priority" in body.model_fields_set:
         return float(body.priority)
     return float(getattr(request.state, "key_priority", 0.0))
-
-
-class _Pending:
-    """One submitted request as the event loop sees it: its queue of Events."""
-
-    def __init__(self, state: ServerState, req: Submission):
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.done = False
-        # The batch engine calls back on its thread; the queue belongs to this loop.
-        self.handle = state.batch.submit(req, lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
-        self.logprobs = req.logprobs is not None
-
-    async def next(self, request: HTTPRequest) -> Event | None:
-        """The next event; None once the client has gone."""
-        while True:
-            try:
-                event = await asyncio.wait_for(self.queue.get(), POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
-                continue
-            self.done = event.finish_reason is not None
-            return event
-
-    def close(self) -> None:
-        """Free the sequence of a request whose client left (a no-op once it finished)."""
-        if not self.done:
-            self.handle.cancel()
-
-
-async def _serve(state: ServerState, request: HTTPRequest, kind: p.Kind, body: p._Generate, ids: list[int],
-                 max_tokens: int | None):
-    req = _to_request(state, request, body, ids, max_tokens)
-    pending = _Pending(state, req)  # GenerationError / QueueFull / ShuttingDown: mapped by the handlers
-    rid = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
-    head = p.envelope(kind, rid, state.model_name, p.now(), body.stream)
-    decode = state.engine.tokenizer.decode
-    if body.stream:
-        return StreamingResponse(_sse(pending, request, kind, head, len(ids), body.include_usage, decode),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _whole(pending, request, kind, head, len(ids), decode)
-
-
-async def _whole(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int, decode):
-    text, entries = [], []
-    try:
-        while (event := await pending.next(request)) is not None:
-            text.append(event.text)
-            entries += event.logprobs or []
-            if event.finish_reason is not None:
-                break
-    finally:
-        pending.close()
-    if event is None:  # the client left; nobody reads this
-        return Response(status_code=499)
-    if event.finish_reason == "error":
-        return error(500, f"generation failed: {event.error}", "server_error")
-    result = event.result
-    logprobs = p.logprobs_body(kind, entries, decode) if pending.logprobs else None
-    return {**head, "choices": [p.choice(kind, "".join(text), p.FINISH.get(event.finish_reason, "stop"), False,
-                                         logprobs)],
-            "usage": p.usage(prompt_tokens, result),
-            "speculation": p.speculation(result.stats if result else None)}
-
-
-def _sse(pending: _Pending, request: HTTPRequest, kind: p.Kind, head: dict, prompt_tokens: int,
-         include_usage: bool, decode):
-    def chunk(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    async def stream():
-        try:
-            if kind == "chat":  # OpenAI's first chat chunk names the role
-                yield chunk({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "finish_reason": None}]})
-            offset = 0  # characters of the tokens sent so far (completions' text_offset)
-            while (event := await pending.next(request)) is not None:
-                if event.text or event.logprobs:
-                    logprobs = None
-                    if pending.logprobs:
-                        logprobs = p.logprobs_body(kind, event.logprobs or [], decode, offset)
-                        offset += sum(len(decode([e.token])) for e in event.logprobs or [])
-                    yield chunk({**head, "choices": [p.choice(kind, event.text, None, True, logprobs)]})
-                if event.finish_reason is not None:
-                    yield chunk(_final(kind, head, event))
-                    if include_usage:
-                        result = event.result
-                        yield chunk({**head, "choices": [],
-                                     "usage": p.usage(prompt_tokens, result)})
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:  # also runs when the client disconnects (the stream task is cancelled)
-            pending.close()
-
-    return stream()
-
-
-def _final(kind: p.Kind, head: dict, event: Event) -> dict:
-    """The last chunk: the finish reason and the speculation summary (or the error)."""
-    if event.finish_reason == "error":
-        return {**head, "choices": [], "error": p.error_body(f"generation failed: {event.error}", 500,
-                                                                "server_error")["error"]}
-    stats = event.result.stats if event.result is not None else None
-    reason = p.FINISH.get(event.finish_reason, "stop")
-    return {**head, "choices": [p.choice(kind, None if kind == "chat" else "", reason, True)],
-            "speculation": p.speculation(stats)}

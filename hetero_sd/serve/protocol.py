@@ -45,7 +45,7 @@ class _Generate(_Body):
     top_k: int | None = None  # extra field (vLLM's); -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=16)] = 1  # choices, each its own sequence in the batch
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0  # extra field: higher runs first (vLLM's priority is the opposite)
@@ -75,8 +75,6 @@ class _Generate(_Body):
 
     def unsupported(self) -> str | None:
         """The first field given that this server cannot honour, as a message; None if none."""
-        if self.n != 1:
-            return f"n must be 1 (one choice per request), got {self.n}"
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 return f"{name} is not supported (output would not be the model's distribution)"
@@ -182,11 +180,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, result) -> dict:
-    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt positions
-    whose KV came from the prefix cache (result: the GenerationResult, or None)."""
-    completion = len(result.token_ids) if result else 0
-    cached = result.stats.cached_tokens if result else 0
+def usage(prompt_tokens: int, results) -> dict:
+    """OpenAI's usage over a request's choices (their GenerationResults, None for one
+    that never ran), with prompt_tokens_details.cached_tokens: the prompt positions whose
+    KV came from the prefix cache, for the first choice."""
+    results = results if isinstance(results, list) else [results]
+    completion = sum(len(r.token_ids) for r in results if r)
+    cached = results[0].stats.cached_tokens if results and results[0] else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -210,10 +210,10 @@ def envelope(kind: Kind, rid: str, model: str, created: int, stream: bool) -> di
 
 
 def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool,
-           logprobs: dict | None = None) -> dict:
+           logprobs: dict | None = None, index: int = 0) -> dict:
     """One choice: `text` for completions; `message` (whole) or `delta` (streamed) for chat;
     `logprobs` as logprobs_body made it (None: not asked for)."""
-    out: dict = {"index": 0}
+    out: dict = {"index": index}
     if kind == "completion":
         out.update(text=text or "", logprobs=logprobs)
     else:

@@ -63,7 +63,7 @@ BAD = {  # name: (path, body, status, words in the message)
     "prompt longer than context": ("/v1/completions", {"prompt": "word " * 2000}, 400, ["context"]),
     "temperature -1": ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature"]),
     "top_p 0": ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, ["top_p"]),
-    "n 2": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, ["n must"]),
+    "n 17": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, 400, ["n:", "16"]),
     "token id outside vocab": ("/v1/completions", {"prompt": [1, 99999]}, 400, ["vocabulary"]),
     "two prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, ["one prompt"]),
     "10000 stop strings": ("/v1/completions", {"prompt": "x", "stop": ["s"] * 10000}, 400, ["stop"]),
