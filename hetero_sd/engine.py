@@ -130,10 +130,10 @@ class Engine:
         return self._compiler.guide(constraint)
 
     def _params(self, sampling: SamplingParams | None, overrides: dict) -> SamplingParams:
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)}
+        known = [f.name for f in dataclasses.fields(SamplingParams)]
+        unknown = set(overrides) - set(known)
         if unknown:
-            raise GenerationError(f"unknown sampling option(s) {sorted(unknown)}; "
-                                  f"allowed: temperature, top_k, top_p, seed")
+            raise GenerationError(f"unknown sampling option(s) {sorted(unknown)}; allowed: {', '.join(known)}")
         return dataclasses.replace(sampling or self.sampling,
                                    **{k: v for k, v in overrides.items() if v is not None})
 
@@ -225,7 +225,7 @@ class Engine:
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs asks for {logprobs} top tokens; allowed: 0..{MAX_TOP_LOGPROBS}")
         req = Request(self.target_runner, drafter, policy, None if params.greedy else Sampler(params), stopper,
-                      stats, history, learn_timings, logprobs)
+                      stats, history, learn_timings, logprobs, params if params.penalized else None)
         if guide is not None:
             req.constrain(guide, self.eos_ids, self.target_runner.vocab_size)
         return req

@@ -40,7 +40,7 @@ from hetero_sd.backends.base import BatchItem
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import FailoverDrafter, FailoverRunner
 from hetero_sd.ir.work import DraftRequest, TokenHistory, VerifyRequest
-from hetero_sd.sampling import Sampler, accept_greedy
+from hetero_sd.sampling import Sampler, SamplingParams, accept_greedy, penalize
 from hetero_sd.stats import GenerationStats
 from hetero_sd.stopping import StopChecker
 
@@ -76,7 +76,7 @@ class Request:
 
     def __init__(self, target: FailoverRunner, drafter: FailoverDrafter | None, policy, sampler: Sampler | None,
                  stopper: StopChecker, stats: GenerationStats, history: TokenHistory, learn_timings: bool = True,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, penalties: SamplingParams | None = None):
         self.target, self.drafter, self.policy, self.sampler = target, drafter, policy, sampler
         self.stopper, self.stats, self.history = stopper, stats, history
         # Drafts are capped at the tokens still wanted, so no verify writes past
@@ -99,6 +99,7 @@ class Request:
         # own log-probability; the rows of the latest scored call, as log-probabilities.
         self.logprobs, self.token_logprobs = logprobs, ([] if logprobs is not None else None)
         self._log_rows: np.ndarray | None = None
+        self.penalties = penalties  # SamplingParams whose penalties apply to every row scored (None: none)
         self._step: VerifyRequest | None = None  # the step proposed and not yet accepted
         self._step_at, self._step_draft_s, self._step_speculating = 0.0, None, False
 
@@ -178,6 +179,10 @@ class Request:
     def score_logits(self, logits):
         """What score() returns, from the target's logits for this request's rows
         (a batched forward's share)."""
+        if self.penalties is not None:
+            step = self._step
+            logits = penalize(logits, self.penalties, self.history.ids[:self.history.prompt_len],
+                              self.history.output, step.drafts if step is not None else [])
         if self.constrainer is not None:
             logits = self.constrainer.apply(logits)
         if self.sampler is None:
@@ -235,7 +240,7 @@ class Request:
 
     # ------------------------------------------------------------ inside the phases
     def _scored(self, tokens: list[int], start: int, n: int):
-        if self.constrainer is None and self.sampler is None and self.logprobs is None:
+        if self.constrainer is None and self.sampler is None and self.logprobs is None and self.penalties is None:
             return self.target.greedy(self.seq, tokens, start, n)
         return self.score_logits(self.target.forward(self.seq, tokens, start, n))
 

@@ -37,6 +37,14 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
     seed: int | None = None  # None = a fresh random seed per request
+    # Penalties change the target's distribution by the tokens committed so far (OpenAI's and
+    # vLLM's definitions): presence and frequency count the output, repetition the prompt and
+    # the output; logit_bias adds a constant per token id. Verify applies to each draft row the
+    # penalty as of the tokens before it, so they hold under speculation as in target-only runs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages repeats: positive logits divided, negative multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -52,15 +60,64 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise GenerationError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise GenerationError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp <= 10:
+            raise GenerationError(f"repetition_penalty must be a number in (0, 10], got {rp!r}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
+                    isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise GenerationError(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got "
+                                      f"{token!r}: {bias!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def describe(self) -> str:
-        if self.greedy:
-            return "greedy"
-        return f"T={self.temperature:g} top_k={self.top_k} top_p={self.top_p:g} seed={self.seed}"
+        text = "greedy" if self.greedy else \
+            f"T={self.temperature:g} top_k={self.top_k} top_p={self.top_p:g} seed={self.seed}"
+        if self.penalized:
+            text += (f" presence={self.presence_penalty:g} frequency={self.frequency_penalty:g} "
+                     f"repetition={self.repetition_penalty:g} bias={len(self.logit_bias)}")
+        return text
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int],
+             drafts: list[int]) -> np.ndarray:
+    """The rows of a step with the penalties applied: row i follows the output plus the
+    first i drafts (what target-only decoding would have committed before it), so each
+    row is penalized as that one-token step would be. float32 in, float32 out."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    vocab = out.shape[-1]
+    bias = np.zeros(vocab, dtype=np.float32)
+    for token, value in params.logit_bias:
+        if token < vocab:
+            bias[token] += value
+    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=vocab)[:vocab].astype(np.float32)
+    seen = np.zeros(vocab, dtype=bool)
+    if params.repetition_penalty != 1:
+        seen[np.asarray(prompt, dtype=np.int64)] = True
+        seen[np.asarray(output, dtype=np.int64)] = True
+    for i in range(out.shape[0]):
+        if i:
+            counts[drafts[i - 1]] += 1
+            seen[drafts[i - 1]] = params.repetition_penalty != 1
+        row = out[i]
+        if params.repetition_penalty != 1:
+            row[seen] = np.where(row[seen] > 0, row[seen] / params.repetition_penalty,
+                                 row[seen] * params.repetition_penalty)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        row += bias
+    return out
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

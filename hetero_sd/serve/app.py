@@ -253,10 +253,11 @@ def _submissions(state: ServerState, request: HTTPRequest, body: p._Generate, id
     top_k = base.top_k if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 means off
     seed = base.seed if body.seed is None else body.seed
     stops, constraint = body.stops(), body.constraint()
+    penalties = body.penalties()
     return [Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens,
                        SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,
                                       base.top_p if body.top_p is None else body.top_p,
-                                      None if seed is None else seed + i),
+                                      None if seed is None else seed + i, **penalties),
                        list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
                        constraint, body.top_logprobs)
             for i in range(body.n)]

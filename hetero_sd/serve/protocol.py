@@ -4,7 +4,7 @@ Requests are validated strictly (a number must be a JSON number, a bool is not
 a number, "5" is not an int) so a client's mistake is a 400 naming the field,
 not a silently converted value. Unknown fields are ignored, as OpenAI's own
 server and vLLM do; fields that would change the output but are not
-implemented (penalties, n > 1, echo) are refused rather than
+implemented (echo, tools) are refused rather than
 ignored, so no client believes it got what it asked for.
 """
 from __future__ import annotations
@@ -51,6 +51,8 @@ class _Generate(_Body):
     priority: int = 0  # extra field: higher runs first (vLLM's priority is the opposite)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # extra field (vLLM's)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict | None = None
 
     @field_validator("stop", mode="before")
@@ -75,10 +77,18 @@ class _Generate(_Body):
 
     def unsupported(self) -> str | None:
         """The first field given that this server cannot honour, as a message; None if none."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                return f"{name} is not supported (output would not be the model's distribution)"
         return None
+
+    def penalties(self) -> dict:
+        """The penalty fields given, as SamplingParams takes them (it checks their ranges)."""
+        out = {name: float(getattr(self, name)) for name in ("presence_penalty", "frequency_penalty",
+                                                             "repetition_penalty") if getattr(self, name) is not None}
+        if self.logit_bias:
+            try:
+                out["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items()))
+            except ValueError:
+                raise GenerationError("logit_bias keys must be token ids") from None
+        return out
 
     def constraint(self) -> Constraint | None:
         """What response_format holds the output to (None: plain text), checked:

@@ -108,16 +108,20 @@ class TableRunner(Runner):
 
 
 def exact_joint(target: TableRunner, params, prompt: list[int], new: int) -> dict[tuple, float]:
-    """P(continuation) under `params` for every continuation of `new` tokens, by enumeration."""
+    """P(continuation) under `params` for every continuation of `new` tokens, by enumeration
+    (penalties, where params has them, by the output so far at each position)."""
     import itertools
 
-    from hetero_sd.sampling import warp
+    from hetero_sd.sampling import penalize, warp
 
     out = {}
     for cont in itertools.product(range(target.vocab_size), repeat=new):
         prob, ctx = 1.0, list(prompt)
         for t in cont:
-            prob *= warp(target.logits_for(ctx), params)[0, t]
+            logits = target.logits_for(ctx)
+            if params.penalized:
+                logits = penalize(logits[None].astype(np.float32), params, list(prompt), ctx[len(prompt):], [])[0]
+            prob *= warp(logits, params)[0, t]
             ctx.append(t)
         if prob > 0:
             out[cont] = prob

@@ -1,7 +1,11 @@
-"""logprobs through the real `openai` client: each committed token's log-probability
-under the target's distribution for its position (after the request's sampling warps),
-the same with speculation on and off, equal to the target's own log-softmax computed
-token by token here, streamed or whole; bad values get a 400 naming the field."""
+"""The fields that change what a request computes, through the real `openai` client,
+each the same with speculation on and off:
+
+- logprobs: each committed token's log-probability under the target's distribution for
+  its position (after the request's sampling warps), equal to the target's own
+  log-softmax computed token by token here, streamed or whole;
+- presence / frequency / repetition penalties and logit_bias (greedy: token-identical);
+- bad values get a 400 naming the field."""
 from __future__ import annotations
 
 import httpx
@@ -154,4 +158,34 @@ def test_sampled_logprobs_are_the_warped_distributions(clients, tiny_model_dir, 
 ])
 def test_bad_logprobs_values_are_400s_naming_the_field(server, path, body, field):
     resp = httpx.post(server.url + path, json={"max_tokens": 4, **body})
+    assert resp.status_code == 400 and field in resp.json()["error"]["message"]
+
+
+PENALIZED = {"frequency_penalty": 1.2, "presence_penalty": 0.4, "extra_body": {"repetition_penalty": 1.3},
+             "logit_bias": {"7": 3.0}}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_penalties_are_token_identical_with_and_without_speculation(clients, chat):
+    spec, plain = clients
+
+    def ask(client, **extra):
+        kwargs = dict(model="tiny", max_tokens=20, temperature=0, **extra)
+        if chat:
+            return client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}],
+                                                  **kwargs).choices[0].message.content
+        return client.completions.create(prompt=PROMPT, **kwargs).choices[0].text
+
+    penalized = ask(spec, **PENALIZED)
+    assert penalized == ask(plain, **PENALIZED)
+    assert penalized != ask(spec)  # the penalties change the answer
+
+
+@pytest.mark.parametrize("body,field", [({"frequency_penalty": 2.5}, "frequency_penalty"),
+                                        ({"presence_penalty": -3}, "presence_penalty"),
+                                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                                        ({"logit_bias": {"5": 500}}, "logit_bias"),
+                                        ({"logit_bias": {"x": 1}}, "logit_bias")])
+def test_bad_penalties_are_400s_naming_the_field(server, body, field):
+    resp = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **body})
     assert resp.status_code == 400 and field in resp.json()["error"]["message"]
