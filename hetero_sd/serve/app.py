@@ -193,6 +193,21 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest):
+        """vLLM's shape: {tokens, count, max_model_len}."""
+        if (body.prompt is None) == (body.messages is None):
+            raise GenerationError("give one of prompt or messages")
+        if body.messages is not None:
+            ids = _chat_ids(state, p.ChatRequest(messages=body.messages))
+        else:
+            ids = list(state.engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.batch.target.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest):
+        return {"prompt": state.engine.tokenizer.decode(_checked_ids(state, body.tokens))}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,

@@ -185,6 +185,17 @@ class ChatRequest(_Generate):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt (raw text), or messages (through the chat template)."""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------ responses
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -189,3 +189,19 @@ def test_penalties_are_token_identical_with_and_without_speculation(clients, cha
 def test_bad_penalties_are_400s_naming_the_field(server, body, field):
     resp = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **body})
     assert resp.status_code == 400 and field in resp.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize(server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    got = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert got["tokens"] == tok(PROMPT)["input_ids"] and got["count"] == len(got["tokens"]) and got["max_model_len"] > 0
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()["prompt"] == \
+        tok.decode(got["tokens"])
+    for path, body in (("/tokenize", {}), ("/detokenize", {"tokens": [10 ** 6]}), ("/detokenize", {"tokens": "x"})):
+        resp = httpx.post(server.url + path, json=body)
+        assert resp.status_code == 400, (path, body, resp.text)
