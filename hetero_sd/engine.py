@@ -101,9 +101,10 @@ class Engine:
             raise GenerationError("this engine has no tokenizer; use generate_ids")
         return encode_text(self.tokenizer, prompt, self.chat_template if chat_template is None else chat_template)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation through the tokenizer's chat template, ready for the reply."""
-        return encode_messages(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A conversation through the tokenizer's chat template, ready for the reply
+        (tools: function definitions the template renders, where it has a place for them)."""
+        return encode_messages(self.tokenizer, messages, tools)
 
     def generate(self, prompt: str, max_new_tokens: int | None = None, target_only: bool = False,
                  stop: list[str] | None = None, chat_template: bool | None = None,
@@ -241,9 +242,10 @@ def encode_text(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """A conversation through the tokenizer's chat template, ready for the reply."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

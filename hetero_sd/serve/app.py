@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hetero_sd.errors import GenerationError, HeteroSDError
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.serve import protocol as p
+from hetero_sd.serve import tools
 from hetero_sd.serve.batch import BatchEngine, QueueFull, ShuttingDown, Submission
 from hetero_sd.serve.metrics import Metrics, placement
 from hetero_sd.serve.responses import serve_choices
@@ -231,7 +232,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         _refuse_unsupported(body)
         ids = _chat_ids(state, body)
         return await serve_choices(state, request, "chat", body, ids, _submissions(state, request, body, ids,
-                                                                                    body.budget))
+                                                                                    body.budget),
+                                   tool_calls=bool(body.tools) and body.tool_choice != "none")
 
 
 def _refuse_unsupported(body: p._Generate) -> None:
@@ -252,9 +254,10 @@ def _chat_ids(state: ServerState, body: p.ChatRequest) -> list[int]:
     tok = state.engine.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise GenerationError("this model has no chat template; use /v1/completions")
+    fns = tools.functions(body.tools) if body.tool_choice != "none" else []
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return state.engine.encode_chat(messages)
+        messages = [m.for_template() for m in body.messages]
+        return state.engine.encode_chat(messages, fns or None)
     except Exception as exc:  # the template's own checks (roles must alternate, ...) are the client's errors
         raise GenerationError(f"the messages do not fit the model's chat template: {exc}") from None
 
@@ -268,6 +271,11 @@ def _submissions(state: ServerState, request: HTTPRequest, body: p._Generate, id
     top_k = base.top_k if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 means off
     seed = base.seed if body.seed is None else body.seed
     stops, constraint = body.stops(), body.constraint()
+    calls = tools.chosen(tools.functions(body.tools), body.tool_choice) if isinstance(body, p.ChatRequest) else None
+    if calls is not None:
+        if constraint is not None:
+            raise GenerationError("give response_format or a tool_choice that forces a call, not both")
+        constraint = tools.constraint(calls)
     penalties = body.penalties()
     return [Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens,
                        SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,

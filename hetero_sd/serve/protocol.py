@@ -155,6 +155,19 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool turn's answer to one
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (Hermes/Qwen: tool_calls' arguments as objects)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -164,8 +177,22 @@ class ChatMessage(_Body):
         return "".join(part.text or "" for part in self.content)
 
 
+def _template_call(call: dict) -> dict:
+    import json
+
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            raise ValueError("a tool call's arguments must be a JSON object") from None
+    return {**call, "function": fn}
+
+
 class ChatRequest(_Generate):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs_: TopLogprobs | None = Field(None, alias="top_logprobs")

@@ -10,6 +10,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hetero_sd.serve import protocol as p
+from hetero_sd.serve import tools
 from hetero_sd.serve.batch import Event, Submission
 
 POLL_S = 0.5  # how often a waiting response checks that its client is still there
@@ -25,6 +26,7 @@ class _Pending:
         # The batch engine calls back on its thread; the queue belongs to this loop.
         self.handle = state.batch.submit(req, lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
         self.logprobs = req.logprobs is not None
+        self.tool_calls = False
 
     async def next(self, request: HTTPRequest) -> Event | None:
         """The next event; None once the client has gone."""
@@ -57,8 +59,14 @@ def _submit(state, subs: list[Submission]) -> list[_Pending]:
     return pendings
 
 
-async def serve_choices(state, request: HTTPRequest, kind: p.Kind, body, ids: list[int], subs: list[Submission]):
+async def serve_choices(state, request: HTTPRequest, kind: p.Kind, body, ids: list[int], subs: list[Submission],
+                        tool_calls: bool = False):
+    """tool_calls: the reply may hold tool calls (serve/tools.py): whole, they become the
+    message's tool_calls; streamed, the text is held until the end and sent as one delta
+    with them, so no client sees a call's raw text."""
     pendings = _submit(state, subs)
+    for pending in pendings:
+        pending.tool_calls = tool_calls
     rid = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
     head = p.envelope(kind, rid, state.model_name, p.now(), body.stream)
     decode = state.engine.tokenizer.decode
@@ -93,7 +101,12 @@ async def _whole(pendings: list[_Pending], request: HTTPRequest, kind: p.Kind, h
     choices = []
     for i, (pending, (text, entries, event)) in enumerate(zip(pendings, collected)):
         logprobs = p.logprobs_body(kind, entries, decode) if pending.logprobs else None
-        choices.append(p.choice(kind, text, p.FINISH.get(event.finish_reason, "stop"), False, logprobs, i))
+        one = p.choice(kind, text, p.FINISH.get(event.finish_reason, "stop"), False, logprobs, i)
+        if pending.tool_calls:
+            one["message"]["content"], calls = tools.parse(text)
+            if calls:
+                one["message"]["tool_calls"], one["finish_reason"] = calls, "tool_calls"
+        choices.append(one)
     results = [event.result for _, _, event in collected]
     return {**head, "choices": choices, "usage": p.usage(prompt_tokens, results),
             "speculation": p.speculation(results[0].stats if results[0] else None)}
@@ -124,11 +137,16 @@ def _sse(pendings: list[_Pending], request: HTTPRequest, kind: p.Kind, head: dic
                     yield chunk({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
             offsets, results, open_ = [0] * len(pendings), [None] * len(pendings), len(pendings)
+            held = [""] * len(pendings)  # a tools request's text, sent at its end
             while open_:
                 i, event = await out.get()
                 if event is None:
                     return
-                if event.text or event.logprobs:
+                if pendings[i].tool_calls:
+                    held[i] += event.text
+                    if event.finish_reason is not None:
+                        yield chunk(_tool_delta(head, held[i], i))
+                elif event.text or event.logprobs:
                     logprobs = None
                     if pendings[i].logprobs:
                         logprobs = p.logprobs_body(kind, event.logprobs or [], decode, offsets[i])
@@ -137,7 +155,10 @@ def _sse(pendings: list[_Pending], request: HTTPRequest, kind: p.Kind, head: dic
                 if event.finish_reason is not None:
                     open_ -= 1
                     results[i] = event.result
-                    yield chunk(_final(kind, head, event, i))
+                    final = _final(kind, head, event, i)
+                    if pendings[i].tool_calls and tools.parse(held[i])[1] and final["choices"]:
+                        final["choices"][0]["finish_reason"] = "tool_calls"
+                    yield chunk(final)
             if include_usage:
                 yield chunk({**head, "choices": [], "usage": p.usage(prompt_tokens, results)})
             yield "data: [DONE]\n\n"
@@ -148,6 +169,15 @@ def _sse(pendings: list[_Pending], request: HTTPRequest, kind: p.Kind, head: dic
                 pending.close()
 
     return stream()
+
+
+def _tool_delta(head: dict, text: str, index: int) -> dict:
+    """A tools request's whole reply as one streamed delta: its text and its tool calls."""
+    content, calls = tools.parse(text)
+    delta = {"content": content}
+    if calls:
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+    return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
 
 def _final(kind: p.Kind, head: dict, event: Event, index: int) -> dict:
