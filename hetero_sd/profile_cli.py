@@ -120,7 +120,7 @@ def _kernel(choice: str) -> str:
     """The row check's verdict, short (backends/row_check.py); "" for runners without one."""
     if not choice:
         return ""
-    return ("padded" if "padded" in choice else "unpadded") + (" (forced)" if "forced" in choice or
+    return ("unpadded" if "unpadded" in choice else "padded") + (" (forced)" if "forced" in choice or
                                                              "HETERO_SD_PAD" in choice else "")
 
 
