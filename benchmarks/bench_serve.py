@@ -1,8 +1,10 @@
-"""Load benchmark for `hetero-sd serve`, side by side with llama.cpp's server.
+"""Load benchmark for `hetero-sd serve`, side by side with llama.cpp's servers.
 
     python benchmarks/bench_serve.py [--config configs/cpu.yaml] [--levels 1,2,4,8,16,32]
                                      [--requests-per-level N] [--max-tokens 128] [--no-peer]
-                                     [--servers spec,nospec,peer] [--json FILE] [--quick]
+                                     [--llamacpp-bin DIR] [--servers spec,nospec,cpp,cppspec,peer]
+                                     [--json FILE] [--quick]
+    python benchmarks/bench_serve.py --soak [--soak-requests 2000] ...   (soak.py)
 
 The load generator is the `openai` package's AsyncOpenAI client driven by
 asyncio at a fixed concurrency: C workers each send streaming chat requests
@@ -16,6 +18,11 @@ free port on 127.0.0.1, started afresh for every level and stopped after it;
 per level the order rotates so no server always runs first:
 - spec:   hetero-sd serve --config X
 - nospec: hetero-sd serve --config X --no-speculation
+- cpp:    llama.cpp's C++ llama-server (--llamacpp-bin DIR) on the same GGUF,
+          threads = our cores, one slot per concurrent request (--parallel
+          = the level), each slot --peer-ctx tokens of context;
+- cppspec: the same with its n-gram speculation (--cpp-spec-args, default
+          --spec-type ngram-simple): its strongest model-free form;
 - peer:   python -m llama_cpp.server on the same GGUF, threads = our cores,
           --interrupt_requests False (its default, True, ends a running
           stream with [DONE] as soon as another request arrives).
@@ -25,7 +32,7 @@ Per level and server: TTFT (first content chunk), TPOT ((end - first) /
 requests that finished; output tok/s = completion tokens of finished
 requests / the level's wall time; done and failed counts (an error, a
 timeout, or a stream that ended without finish_reason). Completion tokens
-come from the usage chunk; llama_cpp.server sends none, so for it they are
+come from the usage chunk (ours and llama-server); llama_cpp.server sends none, so for it they are
 max_tokens when finish_reason is "length", else the content chunks (it
 streams one token per chunk; a held-back partial UTF-8 byte sequence makes
 that an undercount by a few). Not a test: speed is measured, never asserted.
@@ -51,8 +58,10 @@ from serve_procs import (HOST, acceptance, cores, free_port, scrape_acceptance, 
 
 API_KEY = "bench"  # neither server is started with --api-key; the client needs some string
 LEVELS = (1, 2, 4, 8, 16, 32)
-SERVERS = ("spec", "nospec", "peer")
-LABELS = {"spec": "ours spec", "nospec": "ours no-spec", "peer": "llama.cpp"}
+SERVERS = ("spec", "nospec", "cpp", "cppspec", "peer")
+PEERS = ("cpp", "cppspec", "peer")
+LABELS = {"spec": "ours spec", "nospec": "ours no-spec", "cpp": "llama-server", "cppspec": "llama-server ngram",
+          "peer": "llama-cpp-python"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -178,18 +187,15 @@ def summarize(results: list[Result], wall_s: float) -> dict:
 
 
 def ratios(results: dict[str, dict[int, dict]]) -> dict[int, dict[str, float]]:
-    """Per level: each of our servers' output tok/s over the peer's."""
-    peer = results.get("peer", {})
-    out = {}
-    for level, base in peer.items():
-        row = {}
-        for name in ("spec", "nospec"):
-            ours = results.get(name, {}).get(level, {}).get("output_tok_s")
-            if ours is not None and base.get("output_tok_s"):
-                row[f"{LABELS[name]} / {LABELS['peer']}"] = ours / base["output_tok_s"]
-        if row:
-            out[level] = row
-    return out
+    """Per level: each of our servers' output tok/s over each peer's, and spec over no-spec."""
+    out: dict[int, dict[str, float]] = {}
+    pairs = [(ours, peer) for peer in PEERS for ours in ("spec", "nospec")] + [("spec", "nospec")]
+    for ours, peer in pairs:
+        for level, base in results.get(peer, {}).items():
+            mine = results.get(ours, {}).get(level, {}).get("output_tok_s")
+            if mine is not None and base.get("output_tok_s"):
+                out.setdefault(level, {})[f"{LABELS[ours]} / {LABELS[peer]}"] = mine / base["output_tok_s"]
+    return dict(sorted(out.items()))
 
 
 def _ms(x: float | None) -> str:
@@ -235,13 +241,23 @@ def render(results: dict[str, dict[int, dict]]) -> str:
 
 # ---- servers (serve_procs.py: start, wait, stop, metrics) -------------------------------
 
-def server_argv(name: str, port: int, opts) -> list[str]:
+def server_argv(name: str, port: int, opts, level: int | None = None) -> list[str]:
+    most = max(opts.levels)
+    if name in ("cpp", "cppspec"):
+        # llama.cpp's own C++ server: one slot per concurrent request of this level (it is
+        # started afresh per level), each with peer_ctx of context (the KV pool is split
+        # across slots), continuous batching (its default).
+        most = level or most
+        spec = shlex.split(opts.cpp_spec_args) if name == "cppspec" else []
+        return [str(Path(opts.llamacpp_bin) / "llama-server"), "--model", str(opts.peer_model), "--host", HOST,
+                "--port", str(port), "--threads", str(cores()), "--threads-batch", str(cores()),
+                "--parallel", str(most), "--ctx-size", str(opts.peer_ctx * most), "--no-webui",
+                *spec, *shlex.split(opts.peer_args)]
     if name == "peer":
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(opts.peer_model), "--host", HOST,
                 "--port", str(port), "--n_threads", str(cores()), "--n_threads_batch", str(cores()),
                 "--n_ctx", str(opts.peer_ctx), "--interrupt_requests", "False", "--verbose", "False",
                 *shlex.split(opts.peer_args)]  # later flags win in its argparse
-    most = max(opts.levels)
     argv = [sys.executable, "-m", "hetero_sd.cli", "serve", "--config", str(opts.config), "--host", HOST,
             "--port", str(port), "--max-running", str(most), "--max-waiting", str(2 * most)]
     return argv + (["--no-speculation"] if name == "nospec" else []) + shlex.split(opts.serve_args)
@@ -263,7 +279,7 @@ def measure(name: str, level: int, prompts: list[str], opts, logdir: Path) -> di
     """Start `name`'s server, warm it up, run one level, stop it: the level's summary."""
     port = free_port()
     log = logdir / f"{name}-c{level}.log"
-    argv = server_argv(name, port, opts)
+    argv = server_argv(name, port, opts, level)
     t0 = time.perf_counter()
     load = os.getloadavg()  # the host is shared: its load average says how much of it we had
     try:
@@ -278,14 +294,15 @@ def measure(name: str, level: int, prompts: list[str], opts, logdir: Path) -> di
 
 def _load(name: str, base: str, model: str, level: int, prompts: list[str], opts) -> dict:
     usage = name != "peer"  # llama_cpp.server has no stream_options (pydantic drops the field)
+    metrics = name in ("spec", "nospec")
     # Warm-up, not counted: first-call allocations and caches are not the load's cost.
     asyncio.run(run_level(f"{base}/v1", model, prompts, 1, 1, 8, opts.request_timeout, opts.request_timeout, usage))
-    before = scrape_acceptance(base) if usage else None
+    before = scrape_acceptance(base) if metrics else None
     results, wall = asyncio.run(run_level(f"{base}/v1", model, prompts, level, requests_for(level, opts),
                                           opts.max_tokens, opts.level_timeout, opts.request_timeout, usage))
     summary = summarize(results, wall)
     summary["per_request"] = [asdict(r) for r in sorted(results, key=lambda r: r.index)]
-    if usage:
+    if metrics:
         summary["metrics"] = acceptance(before, scrape_acceptance(base))
     return summary
 
@@ -335,36 +352,94 @@ def parse_args(argv: list[str]):
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels, e.g. 1,8")
     ap.add_argument("--requests-per-level", type=int, help="requests per level (default max(16, 2C))")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--servers", default=",".join(SERVERS), help="any of spec,nospec,peer")
-    ap.add_argument("--no-peer", action="store_true", help="without llama.cpp's server")
+    ap.add_argument("--servers", help="any of " + ",".join(SERVERS) + " (default: spec,nospec and cpp with "
+                    "--llamacpp-bin, else peer)")
+    ap.add_argument("--no-peer", action="store_true", help="without llama.cpp's servers")
+    ap.add_argument("--llamacpp-bin", default=os.environ.get("HETERO_SD_LLAMACPP_BIN"), metavar="DIR",
+                    help="folder of llama.cpp's C++ tools with llama-server (docs/benchmarks.md; "
+                         "default $HETERO_SD_LLAMACPP_BIN)")
+    ap.add_argument("--cpp-spec-args", default="--spec-type ngram-simple",
+                    help="llama-server's speculation flags for the cppspec server")
     ap.add_argument("--peer-model", help="the GGUF for llama.cpp (default: the config's target model)")
     ap.add_argument("--peer-ctx", type=int, default=2048, help="llama.cpp's n_ctx")
     ap.add_argument("--serve-args", default="", help="more arguments for hetero-sd serve")
-    ap.add_argument("--peer-args", default="", help="more arguments for llama_cpp.server")
+    ap.add_argument("--peer-args", default="", help="more arguments for the llama.cpp servers")
     ap.add_argument("--level-timeout", type=float, default=600, help="no request starts after this (s)")
     ap.add_argument("--request-timeout", type=float, default=300, help="one request's bound (s)")
     ap.add_argument("--ready-timeout", type=float, default=600, help="a server's start-up bound (s)")
     ap.add_argument("--quick", action="store_true", help="smoke run: levels 1,2, 4 requests, 16 tokens")
     ap.add_argument("--logdir", help="servers' logs (default: a new temporary folder)")
+    ap.add_argument("--soak", action="store_true", help="a soak of our server instead (benchmarks/soak.py)")
+    ap.add_argument("--soak-requests", type=int, default=2000)
+    ap.add_argument("--soak-concurrency", type=int, default=16)
+    ap.add_argument("--soak-max-tokens", type=int, default=24)
     ap.add_argument("--json", help="write every figure here")
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.levels, opts.requests_per_level, opts.max_tokens = "1,2", opts.requests_per_level or 4, 16
+    if opts.soak:  # our server only, sized for the soak's concurrency
+        opts.levels, opts.servers = str(opts.soak_concurrency), opts.servers or "spec"
+        opts.level_timeout = max(opts.level_timeout, 3600)
     opts.levels = [int(x) for x in str(opts.levels).split(",") if x.strip()]
-    opts.servers = [s for s in opts.servers.split(",") if s and not (opts.no_peer and s == "peer")]
+    default = "spec,nospec," + ("cpp" if opts.llamacpp_bin else "peer")
+    opts.servers = [s for s in (opts.servers or default).split(",") if s and not (opts.no_peer and s in PEERS)]
     if not opts.levels or min(opts.levels) < 1 or set(opts.servers) - set(SERVERS) or not opts.servers:
         ap.error(f"--levels: positive integers; --servers: some of {','.join(SERVERS)}")
+    if {"cpp", "cppspec"} & set(opts.servers):
+        binary = Path(opts.llamacpp_bin or ".").expanduser() / "llama-server"
+        if not opts.llamacpp_bin or not binary.is_file():
+            ap.error(f"--llamacpp-bin: no llama-server in {opts.llamacpp_bin or '(not given)'}: build llama.cpp's "
+                     "tools (docs/benchmarks.md) and pass their folder")
+        opts.llamacpp_bin = str(binary.parent.resolve())
     opts.config = str(Path(opts.config).resolve())  # the servers run in another folder
-    if "peer" in opts.servers and not opts.peer_model:
+    if set(PEERS) & set(opts.servers) and not opts.peer_model:
         from hetero_sd.config import load_config, resolve_model
         opts.peer_model = resolve_model(load_config(opts.config).target.model, Path(opts.config).parent)
     opts.peer_model = opts.peer_model and Path(opts.peer_model).resolve()
     return opts
 
 
+def run_soak(opts, argv: list[str]) -> dict:
+    """benchmarks/soak.py against our server (spec, or nospec with --servers nospec)."""
+    import soak
+
+    name = "nospec" if opts.servers == ["nospec"] else "spec"
+    port, logdir = free_port(), Path(opts.logdir or tempfile.mkdtemp(prefix="bench-soak-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    argv_server = server_argv(name, port, opts)
+    meta = {**_meta(opts, argv), "server": argv_server, "log": str(logdir / "soak.log")}
+    with open(logdir / "soak.log", "wb") as out:
+        proc = subprocess.Popen(argv_server, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=tempfile.gettempdir())
+    try:
+        base = f"http://{HOST}:{port}"
+        model = wait_ready(proc, base, logdir / "soak.log", opts.ready_timeout)
+        sopts = soak.SoakOptions(requests=opts.soak_requests, concurrency=opts.soak_concurrency,
+                                 max_tokens=opts.soak_max_tokens, model=model, prompts=load_prompt_texts(),
+                                 time_limit_s=opts.level_timeout, request_timeout_s=opts.request_timeout)
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.monotonic() - last[0] > 10 or done == total:
+                last[0] = time.monotonic()
+                print(f"soak: {done}/{total} requests", file=sys.stderr, flush=True)
+
+        rep = asyncio.run(soak.soak(base, proc.pid, sopts, progress))
+    finally:
+        stop(proc)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(soak.render(rep))
+    return {"meta": meta, "soak": rep}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     opts = parse_args(argv)
+    if opts.soak:
+        report = run_soak(opts, argv)
+        if opts.json:
+            Path(opts.json).write_text(json.dumps(report, indent=2, default=str))
+        return 0 if report["soak"]["passed"] else 1
     report = run(opts, argv)
     print(render(report["results"]))
     if opts.json:

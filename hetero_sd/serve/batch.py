@@ -132,6 +132,18 @@ class BatchEngine:
         u = self.target.usage()
         return u.used_tokens / u.capacity_tokens if u.capacity_tokens else 0.0
 
+    def kv_state(self) -> dict:
+        """The target's pool as /metrics shows it: reserved share, the share of positions
+        filled by requests (not the prefix cache's), sequences held, and the cache's."""
+        # (read from the server's thread while the engine thread steps: a scrape under load
+        # may pair a pool and a cache a step apart; idle, the figures are exact)
+        u = self.target.usage()
+        cached = self.prefix.held_tokens() if self.prefix is not None else 0
+        kept = len(self.prefix) if self.prefix is not None else 0
+        cap = u.capacity_tokens or 1
+        return {"usage": u.used_tokens / cap, "request_usage": max(0, u.filled_tokens - cached) / cap,
+                "sequences": u.sequences, "prefix_sequences": kept}
+
     def check(self, req: Submission) -> None:
         """GenerationError (a client error, HTTP 400) for a request that can never run."""
         budget = self.engine.check_request(req.prompt_ids, req.max_new_tokens)

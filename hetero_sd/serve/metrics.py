@@ -123,10 +123,17 @@ class _Gauges:
     def collect(self):
         batch, values = self.metrics.batch, self.metrics.values
         running, waiting = batch.counts() if batch is not None else (0, 0)
-        usage = batch.kv_usage() if batch is not None else 0.0
-        for name, doc, value in (("num_requests_running", "Requests in the running batch.", running),
-                                 ("num_requests_waiting", "Requests waiting to be admitted.", waiting),
-                                 ("kv_cache_usage_perc", "Fraction of the target's KV pool in use (0-1).", usage)):
+        kv = batch.kv_state() if batch is not None else {}
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", running),
+                ("num_requests_waiting", "Requests waiting to be admitted.", waiting),
+                ("kv_cache_usage_perc", "Fraction of the target's KV pool reserved (0-1), the prefix "
+                                        "cache's sequences included.", kv.get("usage", 0.0)),
+                ("kv_cache_request_usage_perc", "Fraction of the target's KV positions filled by requests "
+                                                "(0-1), the prefix cache's excluded.", kv.get("request_usage", 0.0)),
+                ("kv_cache_sequences", "Sequences held in the target's KV pool.", kv.get("sequences", 0)),
+                ("prefix_cache_sequences", "Finished requests' sequences kept for their prefix.",
+                 kv.get("prefix_sequences", 0))):
             family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(values, value)
             yield family

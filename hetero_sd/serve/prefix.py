@@ -34,6 +34,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def held_tokens(self) -> int:
+        """KV positions the kept sequences fill."""
+        return sum(len(tokens) for tokens in list(self._entries.values()))
+
     def offer(self, seq: int, tokens: list[int]) -> None:
         """Keep a finished request's sequence (the cache now owns it)."""
         if len(tokens) < self.min_tokens or self.max_entries < 1:

@@ -129,15 +129,17 @@ def test_table_and_ratios():
     results = {"spec": {1: _level(100.0), 8: {**_level(400.0), "metrics": {"acceptance": 0.75}}}, "nospec": {1: _level(50.0), 8: _level(None, 0)},
                "peer": {1: _level(80.0), 8: _level(80.0)}}
     r = bench.ratios(results)
-    assert r[1] == {"ours spec / llama.cpp": pytest.approx(1.25), "ours no-spec / llama.cpp": pytest.approx(0.625)}
-    assert r[8] == {"ours spec / llama.cpp": pytest.approx(5.0)}  # no figure, no ratio
+    assert r[1] == {"ours spec / llama-cpp-python": pytest.approx(1.25),
+                    "ours no-spec / llama-cpp-python": pytest.approx(0.625),
+                    "ours spec / ours no-spec": pytest.approx(2.0)}
+    assert r[8] == {"ours spec / llama-cpp-python": pytest.approx(5.0)}  # no figure, no ratio
     rows = bench.table_rows(results)
-    assert [row[:2] for row in rows] == [["1", "ours spec"], ["1", "ours no-spec"], ["1", "llama.cpp"],
-                                         ["8", "ours spec"], ["8", "ours no-spec"], ["8", "llama.cpp"]]
+    assert [row[:2] for row in rows] == [["1", "ours spec"], ["1", "ours no-spec"], ["1", "llama-cpp-python"],
+                                         ["8", "ours spec"], ["8", "ours no-spec"], ["8", "llama-cpp-python"]]
     assert rows[3][-3:] == ["400.0", "4.00x", "75%"] and rows[4][-3:] == ["-", "-", "-"] and rows[0][3] == "10"
     text = bench.render(results)
     assert len({line.count("|") for line in text.splitlines() if line.startswith("|")}) == 1
-    assert "C=8: ours spec / llama.cpp 5.00x" in text
+    assert "C=8: ours spec / llama-cpp-python 5.00x" in text
 
 
 def test_load_loop_against_a_fake_sse_server(fake_server):
@@ -174,7 +176,7 @@ def _fake_argv(port):
 
 
 def test_server_lifecycle_and_a_whole_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bench, "server_argv", lambda name, port, opts: _fake_argv(port))
+    monkeypatch.setattr(bench, "server_argv", lambda name, port, opts, level=None: _fake_argv(port))
     out = tmp_path / "r.json"
     assert bench.main(["--levels", "1,2", "--requests-per-level", "3", "--max-tokens", "8", "--servers",
                        "spec,peer", "--json", str(out), "--logdir", str(tmp_path)]) == 0
@@ -186,7 +188,7 @@ def test_server_lifecycle_and_a_whole_run(tmp_path, monkeypatch, capsys):
             assert [r["index"] for r in s["per_request"]] == [0, 1, 2]
     assert report["results"]["spec"]["1"]["metrics"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0}
     assert set(report["ratios"]) == {"1", "2"} and report["meta"]["requests_per_level"] == {"1": 3, "2": 3}
-    assert "| 2 | llama.cpp | 3/0 |" in capsys.readouterr().out
+    assert "| 2 | llama-cpp-python | 3/0 |" in capsys.readouterr().out
 
 
 def test_a_server_that_dies_or_ignores_sigterm(tmp_path):
@@ -200,3 +202,23 @@ def test_a_server_that_dies_or_ignores_sigterm(tmp_path):
     stubborn.stdout.readline()  # SIGTERM is ignored from here on
     bench.stop(stubborn, grace_s=0.2)
     assert stubborn.returncode == -signal.SIGKILL
+
+
+def test_llama_server_peer_arguments(tmp_path, capsys):
+    """The C++ llama-server: one slot per concurrent request of the level, each --peer-ctx of
+    context, our threads; cppspec adds its n-gram speculation; a folder without it is refused."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--servers", "spec,cpp", "--peer-model", str(model), "--llamacpp-bin", str(tmp_path)])
+    assert "no llama-server in" in capsys.readouterr().err
+    (tmp_path / "llama-server").write_text("#!/bin/sh\n")
+    opts = bench.parse_args(["--levels", "1,8", "--peer-model", str(model), "--llamacpp-bin", str(tmp_path)])
+    assert opts.servers == ["spec", "nospec", "cpp"]  # the C++ server is the default peer when given
+    argv = bench.server_argv("cpp", 1234, opts, 8)
+    assert argv[0] == str(tmp_path.resolve() / "llama-server") and "--spec-type" not in argv
+    assert argv[argv.index("--parallel") + 1] == "8" and argv[argv.index("--ctx-size") + 1] == str(2048 * 8)
+    assert argv[argv.index("--threads") + 1] == str(bench.cores())
+    spec = bench.server_argv("cppspec", 1234, opts, 1)
+    assert spec[spec.index("--spec-type") + 1] == "ngram-simple" and spec[spec.index("--parallel") + 1] == "1"
+    assert bench.parse_args(["--no-peer", "--llamacpp-bin", str(tmp_path)]).servers == ["spec", "nospec"]
