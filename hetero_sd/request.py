@@ -150,13 +150,23 @@ class Request:
         self.stats.prefill_s = time.perf_counter() - self.started_at
         return self._commit([first if self.sampler is None else self.sampler.draw_target(first)])
 
-    def propose(self) -> VerifyRequest | None:
+    @property
+    def greedy(self) -> bool:
+        return self.sampler is None
+
+    @property
+    def speculating(self) -> bool:
+        """Whether its rounds draft (a drafter that is on)."""
+        return self.drafter is not None and self.drafter.active
+
+    def propose(self, draft: bool = True) -> VerifyRequest | None:
         """Draft, and return the step the target must score (the last committed token
-        plus the drafts); None when the context is full."""
+        plus the drafts); None when the context is full. draft=False: a target-only
+        round (a batching server's gate), which feeds no draft-length policy."""
         if self.pos >= self.capacity:  # no room to score another position
             self.stopper.reason = "context"
             return None
-        speculating = self.drafter is not None and self.drafter.active
+        speculating = draft and self.speculating
         # The recovered or bonus token is free: with r tokens left, r - 1 drafts suffice.
         k = min(self.policy.next_k(self.stopper.max_new_tokens - self.history.output_len - 1),
                 self.capacity - self.pos - 1) if speculating else 0

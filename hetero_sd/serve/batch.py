@@ -29,6 +29,7 @@ from hetero_sd.request import Request
 from hetero_sd.sampling import SamplingParams
 from hetero_sd.scheduler.admission import AdmissionQueue, QueueFull
 from hetero_sd.scheduler.batch_cost import BatchCost
+from hetero_sd.scheduler.batch_gate import SpeculationGate
 from hetero_sd.serve.prefix import PrefixCache
 from hetero_sd.stopping import TextStream
 
@@ -104,6 +105,7 @@ class BatchEngine:
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
         self.on_finish, self.on_step = on_finish, on_step  # on_step(sequences, rows) after each batched call
         self.cost = BatchCost()
+        self.gate = SpeculationGate()  # whether greedy requests draft, measured per batch size
         # Finished requests' KV kept for prompts that begin alike (prefix.py): only where
         # the runner can copy KV exactly; prefix_cache = how many sequences (0 = off).
         self.prefix = PrefixCache(self.target, prefix_cache) if prefix_cache > 0 and \
@@ -269,9 +271,13 @@ class BatchEngine:
         for live in [x for x in self._running if x.handle.cancelled]:
             self._end(live, "cancelled")
         self._price()
+        started = [x for x in self._running if x.started]
+        gated = any(x.req.greedy and x.req.speculating for x in started)
+        draft = self.gate.decide(len(started)) if gated else True
+        t_step, committed = time.perf_counter(), sum(x.req.history.output_len for x in started)
         batch = []
-        for live in [x for x in self._running if x.started]:
-            step = live.req.propose()
+        for live in started:
+            step = live.req.propose(draft=draft or not live.req.greedy)  # a seeded sample keeps its own policy
             if step is None:  # the context is full
                 self._publish(live, True)
             else:
@@ -294,6 +300,9 @@ class BatchEngine:
             share = self.cost.share(len(step.tokens), len(batch))
             done = live.req.accept(step, live.req.score_logits(out), verify_s=share)
             self._publish(live, done)
+        if gated:
+            tokens = sum(x.req.history.output_len for x in started) - committed
+            self.gate.observe(len(started), draft, tokens, time.perf_counter() - t_step)
 
     def _price(self) -> None:
         """Give every greedy request's draft-length policy the cost of a round in

@@ -48,9 +48,12 @@ class _Collector:
         return self.events[-1].result
 
 
-def _serve(engine, requests, max_running=32, stagger=3):
+def _serve(engine, requests, max_running=32, stagger=3, gate=None):
     """Submit in waves of `stagger` (later waves arrive while earlier ones run)."""
-    batch = BatchEngine(engine, max_running=max_running, max_waiting=64).start()
+    batch = BatchEngine(engine, max_running=max_running, max_waiting=64)
+    if gate is not None:
+        batch.gate = gate
+    batch.start()
     collectors = []
     try:
         for i, req in enumerate(requests):
@@ -102,6 +105,44 @@ def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny_model_dir):
     _, served = _serve(engine, [plain] + others[:4])
     solo = engine.generate_ids(plain.prompt_ids, 20, target_only=True, sampling=plain.sampling)
     assert served[0].result.token_ids == solo.token_ids
+
+
+class _Always:
+    """A speculation gate with a fixed verdict, recording what it was told."""
+
+    def __init__(self, verdict: bool):
+        self.verdict, self.seen = verdict, []
+
+    def decide(self, batch: int) -> bool:
+        return self.verdict
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        self.seen.append((batch, drafted, tokens))
+
+
+def test_the_gate_turns_greedy_drafting_off_not_sampled(tiny_model_dir):
+    """Gate off: greedy requests run target-only rounds (no drafts) and still equal their solo
+    output; seeded sampled requests keep drafting by their own policy and reproduce. Every
+    step is reported to the gate with the tokens it committed."""
+    engine = _engine(tiny_model_dir("llama"), "onnxruntime", "fp32")
+    rng = random.Random(11)
+    greedy = [Submission(_prompt(rng, 2 * i + 1), 20) for i in range(4)]  # grounded: drafts would be accepted
+    sampled = [Submission(_prompt(rng, 2 * i + 1), 20, SamplingParams(temperature=0.9, top_k=20, seed=i))
+               for i in range(2)]
+    alone = [_serve(engine, [r])[1][0].result.token_ids for r in sampled]
+    gate = _Always(False)
+    _, collectors = _serve(engine, greedy + sampled, gate=gate)
+    for req, c in zip(greedy, collectors):
+        assert c.result.stats.drafted == 0
+        assert c.result.token_ids == engine.generate_ids(req.prompt_ids, 20, target_only=True).token_ids
+    assert [c.result.token_ids for c in collectors[4:]] == alone
+    assert sum(c.result.stats.drafted for c in collectors[4:]) > 0
+    assert gate.seen and all(not drafted for _, drafted, _ in gate.seen)
+    total = sum(len(c.result.token_ids) for c in collectors)
+    assert sum(t for _, _, t in gate.seen) == total - len(collectors)  # all but each prefill's token
+    on = _Always(True)
+    _, collectors = _serve(engine, greedy, gate=on)
+    assert sum(c.result.stats.drafted for c in collectors) > 0 and all(d for _, d, _ in on.seen)
 
 
 def test_runner_without_batched_forward_is_served_one_call_per_sequence(tiny_model_dir):
