@@ -2,7 +2,8 @@
 
     python benchmarks/bench_serve.py [--config configs/cpu.yaml] [--levels 1,2,4,8,16,32]
                                      [--requests-per-level N] [--max-tokens 128] [--no-peer]
-                                     [--llamacpp-bin DIR] [--servers spec,nospec,cpp,cppspec,peer]
+                                     [--llamacpp-bin DIR] [--servers spec,alt,nospec,cpp,cppspec,peer]
+                                     [--alt-config FILE] [--rounds N] [--prompts default,code]
                                      [--json FILE] [--quick]
     python benchmarks/bench_serve.py --soak [--soak-requests 2000] ...   (soak.py)
 
@@ -17,6 +18,7 @@ Servers, one at a time (the host's cores go to the one being measured), on a
 free port on 127.0.0.1, started afresh for every level and stopped after it;
 per level the order rotates so no server always runs first:
 - spec:   hetero-sd serve --config X
+- alt:    hetero-sd serve --config Y (--alt-config: another drafter, say, side by side)
 - nospec: hetero-sd serve --config X --no-speculation
 - cpp:    llama.cpp's C++ llama-server (--llamacpp-bin DIR) on the same GGUF,
           threads = our cores, one slot per concurrent request (--parallel
@@ -58,10 +60,11 @@ from serve_procs import (HOST, acceptance, cores, free_port, scrape_acceptance, 
 
 API_KEY = "bench"  # neither server is started with --api-key; the client needs some string
 LEVELS = (1, 2, 4, 8, 16, 32)
-SERVERS = ("spec", "nospec", "cpp", "cppspec", "peer")
+SERVERS = ("spec", "alt", "nospec", "cpp", "cppspec", "peer")
 PEERS = ("cpp", "cppspec", "peer")
-LABELS = {"spec": "ours spec", "nospec": "ours no-spec", "cpp": "llama-server", "cppspec": "llama-server ngram",
-          "peer": "llama-cpp-python"}
+OURS = ("spec", "alt", "nospec")
+LABELS = {"spec": "ours spec", "alt": "ours alt", "nospec": "ours no-spec", "cpp": "llama-server",
+          "cppspec": "llama-server ngram", "peer": "llama-cpp-python"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -127,9 +130,15 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
 
     Bounded in count (n_requests) and time: no request starts after time_limit_s, and each is
     cancelled after request_timeout_s (a timeout counts as a failure)."""
+    import httpx
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=request_timeout_s)
+    # A new connection per request: llama-server closes idle keep-alive connections, and a
+    # request sent on one it just closed fails with no retry (a connection error, counted
+    # against it); on 127.0.0.1 a connection costs well under a millisecond.
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=request_timeout_s)
+    client = AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=request_timeout_s,
+                         http_client=http)
     order, results = itertools.count(), []
     t0 = time.perf_counter()
 
@@ -189,7 +198,7 @@ def summarize(results: list[Result], wall_s: float) -> dict:
 def ratios(results: dict[str, dict[int, dict]]) -> dict[int, dict[str, float]]:
     """Per level: each of our servers' output tok/s over each peer's, and spec over no-spec."""
     out: dict[int, dict[str, float]] = {}
-    pairs = [(ours, peer) for peer in PEERS for ours in ("spec", "nospec")] + [("spec", "nospec")]
+    pairs = [(ours, peer) for peer in PEERS for ours in OURS] + [("spec", "nospec"), ("alt", "nospec")]
     for ours, peer in pairs:
         for level, base in results.get(peer, {}).items():
             mine = results.get(ours, {}).get(level, {}).get("output_tok_s")
@@ -270,9 +279,10 @@ def requests_for(level: int, opts) -> int:
     return max(opts.requests_per_level or max(16, 2 * level), level)
 
 
-def load_prompt_texts(limit: int | None = None) -> list[str]:
+def load_prompt_texts(limit: int | None = None, sets: str = "default") -> list[str]:
+    """The prompts of comma-separated sets (packaged names: default, code; or files), in order."""
     from hetero_sd.bench.prompts import load_prompts
-    return [p.prompt for p in load_prompts(None)][:limit]
+    return [p.prompt for name in sets.split(",") if name.strip() for p in load_prompts(name.strip())][:limit]
 
 
 def measure(name: str, level: int, prompts: list[str], opts, logdir: Path) -> dict:
@@ -294,7 +304,7 @@ def measure(name: str, level: int, prompts: list[str], opts, logdir: Path) -> di
 
 def _load(name: str, base: str, model: str, level: int, prompts: list[str], opts) -> dict:
     usage = name != "peer"  # llama_cpp.server has no stream_options (pydantic drops the field)
-    metrics = name in ("spec", "nospec")
+    metrics = name in OURS
     # Warm-up, not counted: first-call allocations and caches are not the load's cost.
     asyncio.run(run_level(f"{base}/v1", model, prompts, 1, 1, 8, opts.request_timeout, opts.request_timeout, usage))
     before = scrape_acceptance(base) if metrics else None
@@ -325,25 +335,48 @@ def _meta(opts, argv: list[str]) -> dict:
             "cpu": platform.processor() or platform.machine(), "config": str(opts.config),
             "peer_model": str(opts.peer_model), "levels": opts.levels, "max_tokens": opts.max_tokens,
             "requests_per_level": {lv: requests_for(lv, opts) for lv in opts.levels},
-            "servers": opts.servers, "prompts": "hetero_sd/bench/prompts.jsonl (cycled)"}
+            "servers": opts.servers, "prompts": f"{opts.prompts} (cycled)", "rounds": opts.rounds,
+            "alt_config": opts.alt_config}
 
 
 def run(opts, argv: list[str]) -> dict:
-    prompts = load_prompt_texts()
+    prompts = load_prompt_texts(sets=opts.prompts)
     logdir = Path(opts.logdir or tempfile.mkdtemp(prefix="bench-serve-"))
     logdir.mkdir(parents=True, exist_ok=True)
     meta = _meta(opts, argv)  # before the run: its start time and commit
-    results: dict[str, dict[int, dict]] = {name: {} for name in opts.servers}
-    for i, level in enumerate(opts.levels):
-        order = opts.servers[i % len(opts.servers):] + opts.servers[:i % len(opts.servers)]
-        for name in order:
-            s = results[name][level] = measure(name, level, prompts, opts, logdir)
-            tps = s.get("output_tok_s")
-            print(f"C={level} {LABELS[name]}: {s['done']} done, {s['failed']} failed, "
-                  f"{'-' if tps is None else f'{tps:.1f}'} tok/s{'  ' + s['error'][:200] if 'error' in s else ''}",
-                  file=sys.stderr, flush=True)
+    rounds: dict[str, dict[int, list[dict]]] = {name: {} for name in opts.servers}
+    for r in range(opts.rounds):
+        for i, level in enumerate(opts.levels):
+            turn = (i + r) % len(opts.servers)  # no server always runs first
+            for name in opts.servers[turn:] + opts.servers[:turn]:
+                s = measure(name, level, prompts, opts, logdir)
+                rounds[name].setdefault(level, []).append(s)
+                tps = s.get("output_tok_s")
+                print(f"round {r + 1}/{opts.rounds} C={level} {LABELS[name]}: {s['done']} done, {s['failed']} "
+                      f"failed, {'-' if tps is None else f'{tps:.1f}'} tok/s"
+                      f"{'  ' + s['error'][:200] if 'error' in s else ''}", file=sys.stderr, flush=True)
+    results = {name: {level: pooled(runs) for level, runs in by.items()} for name, by in rounds.items()}
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return {"meta": meta, "results": results, "ratios": ratios(results)}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One level's rounds as one: every request's figures pooled, tok/s = all tokens / all wall
+    time; each round's tok/s kept (how much the host moved between them)."""
+    if len(runs) == 1:
+        return {**runs[0], "rounds_tok_s": [runs[0].get("output_tok_s")]}
+    requests = [Result(**r) for run in runs for r in run.get("per_request", [])]
+    out = summarize(requests, sum(run.get("wall_s", 0.0) for run in runs))
+    out["per_request"] = [r for run in runs for r in run.get("per_request", [])]
+    out["rounds_tok_s"] = [run.get("output_tok_s") for run in runs]
+    metrics = [run["metrics"] for run in runs if run.get("metrics")]
+    if metrics:
+        keys = ("num_draft_tokens", "num_accepted_tokens")
+        out["metrics"] = acceptance({}, {k: sum(m.get(k, 0) for m in metrics) for k in keys})
+    errors = [run["error"] for run in runs if "error" in run]
+    if errors:
+        out["error"] = errors[0]
+    return out
 
 
 def parse_args(argv: list[str]):
@@ -352,6 +385,11 @@ def parse_args(argv: list[str]):
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels, e.g. 1,8")
     ap.add_argument("--requests-per-level", type=int, help="requests per level (default max(16, 2C))")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="measure every level this many times per server, "
+                    "the order rotated; the rounds' requests are pooled (default 1)")
+    ap.add_argument("--prompts", default="default", help="prompt sets, comma-separated: packaged default, "
+                    "code, or files (default: default)")
+    ap.add_argument("--alt-config", help="a second config of ours, served speculating as server alt")
     ap.add_argument("--servers", help="any of " + ",".join(SERVERS) + " (default: spec,nospec and cpp with "
                     "--llamacpp-bin, else peer)")
     ap.add_argument("--no-peer", action="store_true", help="without llama.cpp's servers")
@@ -385,6 +423,12 @@ def parse_args(argv: list[str]):
     opts.servers = [s for s in (opts.servers or default).split(",") if s and not (opts.no_peer and s in PEERS)]
     if not opts.levels or min(opts.levels) < 1 or set(opts.servers) - set(SERVERS) or not opts.servers:
         ap.error(f"--levels: positive integers; --servers: some of {','.join(SERVERS)}")
+    if "alt" in opts.servers and not opts.alt_config:
+        ap.error("--servers alt needs --alt-config FILE")
+    if opts.alt_config:
+        opts.alt_config = str(Path(opts.alt_config).resolve())
+    if opts.rounds < 1:
+        ap.error("--rounds: at least 1")
     if {"cpp", "cppspec"} & set(opts.servers):
         binary = Path(opts.llamacpp_bin or ".").expanduser() / "llama-server"
         if not opts.llamacpp_bin or not binary.is_file():
@@ -415,7 +459,7 @@ def run_soak(opts, argv: list[str]) -> dict:
         base = f"http://{HOST}:{port}"
         model = wait_ready(proc, base, logdir / "soak.log", opts.ready_timeout)
         sopts = soak.SoakOptions(requests=opts.soak_requests, concurrency=opts.soak_concurrency,
-                                 max_tokens=opts.soak_max_tokens, model=model, prompts=load_prompt_texts(),
+                                 max_tokens=opts.soak_max_tokens, model=model, prompts=load_prompt_texts(sets=opts.prompts),
                                  time_limit_s=opts.level_timeout, request_timeout_s=opts.request_timeout)
         last = [0.0]
 

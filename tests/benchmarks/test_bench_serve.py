@@ -222,3 +222,25 @@ def test_llama_server_peer_arguments(tmp_path, capsys):
     spec = bench.server_argv("cppspec", 1234, opts, 1)
     assert spec[spec.index("--spec-type") + 1] == "ngram-simple" and spec[spec.index("--parallel") + 1] == "1"
     assert bench.parse_args(["--no-peer", "--llamacpp-bin", str(tmp_path)]).servers == ["spec", "nospec"]
+
+
+def test_rounds_are_pooled():
+    """Two rounds of a level: every request pooled, tok/s over the summed wall time, each
+    round's own figure kept, acceptance from the summed counters."""
+    R = bench.Result
+    one = bench.summarize([R(True, 1.0, 0.1, 10, "usage", "length", index=0)], 2.0)
+    two = bench.summarize([R(True, 2.0, 0.2, 30, "usage", "length", index=0),
+                           R(False, 1.0, error="timeout", index=1)], 4.0)
+    one["per_request"] = [{"ok": True, "e2e_s": 1.0, "ttft_s": 0.1, "tokens": 10, "tokens_from": "usage",
+                           "finish": "length", "error": None, "index": 0}]
+    two["per_request"] = [{"ok": True, "e2e_s": 2.0, "ttft_s": 0.2, "tokens": 30, "tokens_from": "usage",
+                           "finish": "length", "error": None, "index": 0},
+                          {"ok": False, "e2e_s": 1.0, "ttft_s": None, "tokens": 0, "tokens_from": "",
+                           "finish": None, "error": "timeout", "index": 1}]
+    one["metrics"] = {"num_draft_tokens": 4, "num_accepted_tokens": 2}
+    two["metrics"] = {"num_draft_tokens": 6, "num_accepted_tokens": 5}
+    p = bench.pooled([one, two])
+    assert (p["requests"], p["done"], p["failed"], p["output_tokens"]) == (3, 2, 1, 40)
+    assert p["output_tok_s"] == pytest.approx(40 / 6) and p["rounds_tok_s"] == [5.0, 7.5]
+    assert p["metrics"]["acceptance"] == pytest.approx(7 / 10) and len(p["per_request"]) == 3
+    assert bench.pooled([one])["rounds_tok_s"] == [5.0]
