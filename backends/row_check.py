@@ -17,13 +17,15 @@ AVX2 one), so it is measured here, not assumed:
 
 Random tokens make every logit of every layer a witness: a kernel whose
 summation order differs for one row shows it in the last bits of almost every
-output. The verdict is cached (ir.cache) under the host's CPU model and flags,
+output. The verdict is cached (ir.cache) under the host's CPU model and flags (all
+of them, digested),
 the runtime's version and the graph's own cache key, so a new host, a runtime
 upgrade or another model checks again. HETERO_SD_PAD_SINGLE_ROW=1 (or 0)
 overrides the verdict (1 pads, 0 does not), for tests and experiments.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -76,8 +78,12 @@ def host_signature() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": name, "flags": sorted(f for f in _FLAGS if f in flags), "cores": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+    # "isa": every flag the kernel reports, digested: a runtime may dispatch on one _FLAGS
+    # does not name (avx512_fp16, say), and two hosts sharing a model name and those flags
+    # must not share a verdict; "flags" stays the readable part (hetero-sd devices).
+    isa = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    return {"cpu": name, "flags": sorted(f for f in _FLAGS if f in flags), "isa": isa,
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
 def _forced() -> Verdict | None:

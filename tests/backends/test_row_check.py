@@ -73,6 +73,10 @@ def test_the_verdict_is_cached_per_host_and_rechecked_on_another(tiny_model_dir,
     monkeypatch.setattr("hetero_sd.backends.graph_runner.host_signature", row_check.host_signature)
     other = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None)
     assert "(checked" in other.kernel_choice
+    # the same CPU name and named flags, one more instruction set: checked again, not trusted
+    monkeypatch.setattr(row_check, "host_signature", lambda: {**host, "isa": host["isa"] + "+avx512_fp16"})
+    monkeypatch.setattr("hetero_sd.backends.graph_runner.host_signature", row_check.host_signature)
+    assert "(checked" in _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None).kernel_choice
     forced = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
     assert forced.kernel_choice == "one-token calls padded to two rows (HETERO_SD_PAD_SINGLE_ROW=1)"
 
