@@ -106,6 +106,9 @@ class Runner(ABC):
     can_copy_prefix: bool = False
     location: str | None = None
     kernel_choice: str = ""
+    # A one-token call runs as two rows (the row check found one row rounds apart on this
+    # host, row_check.py): a call of the token and one draft costs the same.
+    pads_single_row: bool = False
 
     @abstractmethod
     def allocate(self, capacity: int) -> int:

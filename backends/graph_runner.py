@@ -57,6 +57,8 @@ class GraphRunner(PooledRunner):
         self.feature_layers = cfg.feature_layers  # (): the graph has no features output
         self._features: dict[int, np.ndarray] = {}
 
+    pads_single_row = property(lambda self: self._pad_single_row)
+
     def settle_padding(self, graph: Path, runtime: str) -> None:
         """Decide whether one-token calls run padded, once the runtime can run: by the
         row check's verdict for this host, runtime and lowered graph (row_check.py)."""

@@ -159,23 +159,33 @@ class Request:
         """Whether its rounds draft (a drafter that is on)."""
         return self.drafter is not None and self.drafter.active
 
-    def propose(self, draft: bool = True) -> VerifyRequest | None:
+    def propose(self, draft: bool = True, alone: bool = True) -> VerifyRequest | None:
         """Draft, and return the step the target must score (the last committed token
         plus the drafts); None when the context is full. draft=False: a target-only
-        round (a batching server's gate), which feeds no draft-length policy."""
+        round (a batching server's gate), which feeds no draft-length policy. alone:
+        this request's step is the target's whole call (a padded one-token call's
+        second row is then free: _free_row)."""
         if self.pos >= self.capacity:  # no room to score another position
             self.stopper.reason = "context"
             return None
         speculating = draft and self.speculating
         # The recovered or bonus token is free: with r tokens left, r - 1 drafts suffice.
-        k = min(self.policy.next_k(self.stopper.max_new_tokens - self.history.output_len - 1),
-                self.capacity - self.pos - 1) if speculating else 0
+        remaining, room = self.stopper.max_new_tokens - self.history.output_len - 1, self.capacity - self.pos - 1
+        k = min(self.policy.next_k(remaining), room) if speculating else 0
+        if k == 0 and speculating and alone and min(remaining, room) > 0 and self._free_row():
+            k = 1  # the padded call computes a second row anyway: a lookup's draft rides in it
         drafts, draft_probs, draft_s = self._draft(k) if k > 0 else ([], None, None)
         if self.constrainer is not None:
             self.constrainer.prepare(drafts)
         self._step = VerifyRequest(self.seq, self.pos, [self.history.ids[-1]] + drafts, draft_probs)
         self._step_at, self._step_draft_s, self._step_speculating = time.perf_counter(), draft_s, speculating
         return self._step
+
+    def _free_row(self) -> bool:
+        """Whether a one-token draft rides free: the target pads a one-token call to two
+        rows anyway, the drafter is a lookup, and the request is greedy (a seeded sample's
+        draft lengths follow its acceptance alone, whatever runs beside it)."""
+        return self.greedy and self.target.pads_single_row and self.drafter.model_free
 
     def score(self, step: VerifyRequest):
         """The target alone scores the step's rows (greedy ids, or float64

@@ -5,7 +5,8 @@ over calls, which misses what a draft costs beside other sequences: the batched
 attention pads every sequence to the longest step's rows, and drafting takes CPU
 the call then lacks. So a policy that believes drafts pay can still lose
 throughput in a large batch (measured: a batch of 16 at 0.88x of no drafting).
-This gate measures instead. For each batch-size bucket (1, 2, 3-4, 5-8, ...) it
+This gate measures instead. For each batch-size bucket (2, 3-4, 5-8, ...; the
+server does not gate a request stepped alone, whose price is its own call's) it
 keeps two arms, drafting on and off, each with the committed tokens and the step
 seconds they took (discounted sums, so it follows a changing mix of prompts),
 runs the better one, and now and then the other, so a change shows.

@@ -16,6 +16,9 @@ history, read, never copied); a drafter in another process is sent the delta
                                                 for a drafter written to the contract before
                                                 guides: it is begun without one)
               feature_layers                    target layers whose hidden states it reads (a head)
+              model_free                        drafting is a lookup of microseconds (n-gram,
+                                                suffix), so a draft in a row the target computes
+                                                anyway (a padded one-token call) costs nothing
               runner                            what it drafts with in this process: a
                                                 backends.base.Runner for a draft model, a head
                                                 runner for a head; None when model-free or in
@@ -38,6 +41,7 @@ class Drafter(ABC):
     can_fork: bool = False
     takes_guide: bool = True
     feature_layers: tuple[int, ...] = ()
+    model_free: bool = False
     runner = None  # (see the module docstring)
     _view: Sequence[int] | None = None  # the context of the latest request (context_for)
     _owns_view = False

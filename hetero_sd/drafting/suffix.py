@@ -53,6 +53,7 @@ class SuffixDrafter(Drafter):
     """Suffix decoding (module docstring). `fork()` shares the global tree."""
 
     name = "suffix"  # deterministic proposals: under sampling its q is one-hot (probs=None)
+    model_free = True
     can_fork = True  # fork(): a drafter per concurrent sequence (the batching server)
 
     def __init__(self, max_depth: int = 24, factor: float = 1.0, min_token_prob: float = 0.1,

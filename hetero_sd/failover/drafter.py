@@ -30,6 +30,10 @@ class FailoverDrafter(Drafter):
     def active(self) -> bool:
         return self.serving is not None
 
+    @property
+    def model_free(self) -> bool:
+        return self.serving is not None and self.serving.model_free
+
     def take_events(self) -> list[str]:
         events, self.events = self.events, []
         return events

@@ -80,6 +80,7 @@ class FailoverRunner(Runner):
     max_batch = property(lambda self: self.current.max_batch)
     can_copy_prefix = property(lambda self: self.current.can_copy_prefix)
     location = property(lambda self: self.current.location)
+    pads_single_row = property(lambda self: self.current.pads_single_row)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

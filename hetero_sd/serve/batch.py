@@ -272,12 +272,14 @@ class BatchEngine:
             self._end(live, "cancelled")
         self._price()
         started = [x for x in self._running if x.started]
-        gated = any(x.req.greedy and x.req.speculating for x in started)
+        # Alone, a request's call is its own and its policy's price is right: the gate is for batches
+        gated = len(started) > 1 and any(x.req.greedy and x.req.speculating for x in started)
         draft = self.gate.decide(len(started)) if gated else True
         t_step, committed = time.perf_counter(), sum(x.req.history.output_len for x in started)
         batch = []
         for live in started:
-            step = live.req.propose(draft=draft or not live.req.greedy)  # a seeded sample keeps its own policy
+            # (a seeded sample keeps its own policy; a lone step may fill a padded call's free row)
+            step = live.req.propose(draft=draft or not live.req.greedy, alone=len(started) == 1)
             if step is None:  # the context is full
                 self._publish(live, True)
             else:

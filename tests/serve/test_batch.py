@@ -122,26 +122,28 @@ class _Always:
 
 def test_the_gate_turns_greedy_drafting_off_not_sampled(tiny_model_dir):
     """Gate off: greedy requests run target-only rounds (no drafts) and still equal their solo
-    output; seeded sampled requests keep drafting by their own policy and reproduce. Every
-    step is reported to the gate with the tokens it committed."""
+    output; seeded sampled requests keep drafting by their own policy and reproduce. Steps
+    of two or more sequences are reported to the gate with the tokens they committed (a
+    request stepped alone is not gated: a long companion keeps the others company)."""
     engine = _engine(tiny_model_dir("llama"), "onnxruntime", "fp32")
     rng = random.Random(11)
+    companion = Submission(_prompt(rng, 0), 80)
     greedy = [Submission(_prompt(rng, 2 * i + 1), 20) for i in range(4)]  # grounded: drafts would be accepted
     sampled = [Submission(_prompt(rng, 2 * i + 1), 20, SamplingParams(temperature=0.9, top_k=20, seed=i))
                for i in range(2)]
     alone = [_serve(engine, [r])[1][0].result.token_ids for r in sampled]
     gate = _Always(False)
-    _, collectors = _serve(engine, greedy + sampled, gate=gate)
-    for req, c in zip(greedy, collectors):
+    _, collectors = _serve(engine, [companion] + greedy + sampled, stagger=8, gate=gate)
+    assert len(collectors[0].result.token_ids) == 80  # it outlived the others
+    for req, c in zip(greedy, collectors[1:5]):
         assert c.result.stats.drafted == 0
         assert c.result.token_ids == engine.generate_ids(req.prompt_ids, 20, target_only=True).token_ids
-    assert [c.result.token_ids for c in collectors[4:]] == alone
-    assert sum(c.result.stats.drafted for c in collectors[4:]) > 0
-    assert gate.seen and all(not drafted for _, drafted, _ in gate.seen)
-    total = sum(len(c.result.token_ids) for c in collectors)
-    assert sum(t for _, _, t in gate.seen) == total - len(collectors)  # all but each prefill's token
+    assert [c.result.token_ids for c in collectors[5:]] == alone
+    assert sum(c.result.stats.drafted for c in collectors[5:]) > 0
+    assert gate.seen and all(batch > 1 and not drafted for batch, drafted, _ in gate.seen)
+    assert 0 < sum(t for _, _, t in gate.seen) <= sum(len(c.result.token_ids) - 1 for c in collectors)
     on = _Always(True)
-    _, collectors = _serve(engine, greedy, gate=on)
+    _, collectors = _serve(engine, greedy, stagger=8, gate=on)
     assert sum(c.result.stats.drafted for c in collectors) > 0 and all(d for _, d, _ in on.seen)
 
 
@@ -183,7 +185,7 @@ def test_draft_model_forks_per_request(tiny_model_dir):
                     tokenizer=engine.tokenizer)
     rng = random.Random(11)
     requests = [Submission(_prompt(rng, i), rng.randint(5, 20)) for i in range(6)]
-    _, collectors = _serve(engine, requests)
+    _, collectors = _serve(engine, requests, gate=_Always(True))  # every step drafts: forks are the point
     for req, c in zip(requests, collectors):
         assert c.result.token_ids == engine.generate_ids(req.prompt_ids, req.max_new_tokens,
                                                          target_only=True).token_ids
@@ -260,7 +262,7 @@ def test_pricing_a_batch_leaves_the_engines_policy_alone(tiny_model_dir):
     before = engine.policy.round_cost()
     rng = random.Random(3)
     requests = [Submission(_prompt(rng, i), 12, speculate=i % 2 == 0) for i in range(6)]
-    _, collectors = _serve(engine, requests)
+    _, collectors = _serve(engine, requests, gate=_Always(True))  # (the gate's own turns are not the point)
     assert all(c.events[-1].finish_reason in ("length", "eos") for c in collectors)
     assert any(c.result.stats.drafted for c in collectors)  # the speculating ones were priced and drafted
     assert engine.policy.round_cost() == before
