@@ -27,6 +27,9 @@ classes and register under the `hetero_sd.backends` entry-point group.
                location                            the machine it runs on when not here
                kernel_choice                       what the backend chose for this host and why
                                                    (reports: devices, profile); "" by default
+               pads_single_row                     a one-token call runs as two rows (the row
+                                                   check, row_check.py), so a call of the token
+                                                   and one draft costs the same; False by default
              A capability a runner lacks is declared, never faked (a precision whose
              multi-token calls round differently says batch_invariant=False, and results then
              say "lossless: up to numerics").

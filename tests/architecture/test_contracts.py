@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER_REQUIRED = {"allocate", "forward", "greedy", "truncate", "length", "release", "usage"}
 RUNNER_OPTIONAL = {"max_batch": 1, "forward_batch": None, "feature_layers": (), "take_features": None,
                    "can_copy_prefix": False, "copy_prefix": None, "close": None, "location": None,
-                   "kernel_choice": ""}
+                   "kernel_choice": "", "pads_single_row": False}
 DRAFTER_REQUIRED = {"begin", "draft", "reset"}
 DRAFTER_OPTIONAL = {"can_fork": False, "fork": None, "takes_guide": True, "feature_layers": (), "runner": None,
-                    "observe": None, "wait_ready": None, "close": None}
+                    "observe": None, "wait_ready": None, "close": None, "model_free": False}
 
 
 def _runner_classes():
@@ -92,7 +92,7 @@ def test_each_built_in_drafter_declares_or_inherits_every_capability(cls):
 
 _OURS = ("copy_prefix", "fork", "take_features", "feature_layers", "close", "observe", "max_batch",
          "forward_batch", "set_cost", "runner", "location", "wait_ready", "can_fork", "can_copy_prefix",
-         "takes_guide", "partial", "release_pages", "blocks")
+         "takes_guide", "partial", "release_pages", "blocks", "pads_single_row", "model_free")
 _PROBE = re.compile(r"""(hasattr|getattr)\([^()]*?["'](%s)["']""" % "|".join(_OURS))
 
 
