@@ -130,10 +130,6 @@ class BatchEngine:
         with self._cond:
             return len(self._running), len(self._queue)
 
-    def kv_usage(self) -> float:
-        u = self.target.usage()
-        return u.used_tokens / u.capacity_tokens if u.capacity_tokens else 0.0
-
     def kv_state(self) -> dict:
         """The target's pool as /metrics shows it: reserved share, the share of positions
         filled by requests (not the prefix cache's), sequences held, and the cache's."""
