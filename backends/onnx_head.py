@@ -155,10 +155,10 @@ def _model(b: Builder, name: str, inputs: list, outputs: list):
 def _session(proto, threads: int):
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
-    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    from hetero_sd.backends.ort_backend import session_options
+
+    return ort.InferenceSession(proto.SerializeToString(), session_options(threads),
+                                providers=["CPUExecutionProvider"])
 
 
 def _raw_run(session):

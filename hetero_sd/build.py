@@ -3,14 +3,15 @@
     config --spec_from_config / auto.plan_engine--> EngineSpec --build--> runners + drafter
 
 `build(spec, load)` checks every placement before any model loads (a typo
-fails in a second), checks that every draft model shares the target's
-tokenizer, starts worker drafters, loads the target while they load, and
+fails in a second), checks whether every draft model shares the target's
+tokenizer (or drafts through the target's text where it does not:
+drafting/cross_vocab.py), starts worker drafters, loads the target while they load, and
 waits for them. `load` is a loading.Loader: the one way runners are loaded.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetero_sd.auto import plan_engine
@@ -18,7 +19,7 @@ from hetero_sd.backends.registry import discover
 from hetero_sd.config import Config
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.build import build_drafter
-from hetero_sd.drafting.specs import WorkerSpec, model_specs
+from hetero_sd.drafting.specs import WorkerSpec, model_specs, translated
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading import Loader
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
@@ -42,9 +43,13 @@ def build(spec: EngineSpec, load: Loader) -> Built:
         load.check(model)
     target_ir = load.ir(spec.target.model)
     tokenizer = load.tokenizer(spec.target.model)
-    for model in models:
-        if Path(model.model).resolve() != target_ir.source.resolve():
-            _check_same_tokenizer(tokenizer, load.tokenizer(model.model), model.model)
+    vocab = tokenizer.get_vocab()
+
+    def foreign(model) -> bool:  # equal sizes are not enough: the same id must mean the same text
+        return Path(model.model).resolve() != target_ir.source.resolve() and \
+            load.tokenizer(model.model).get_vocab() != vocab
+
+    spec = replace(spec, drafter=translated(spec.drafter, str(target_ir.source), foreign))
     spec = reserve_places(spec)  # a Ray placement group, when the config asks for one
     drafter = target = None
     try:
@@ -72,13 +77,6 @@ def load_target(spec: EngineSpec, load: Loader):
     from hetero_sd.cluster.ray_target import RayRunner
 
     return RayRunner(spec.target, spec.target_ray)
-
-
-def _check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
-    """Equal vocabulary sizes are not enough: the same id must mean the same text."""
-    if draft_tok.get_vocab() != target_tok.get_vocab():
-        raise ConfigError(f"draft model {draft_path} has the target's vocabulary size but a "
-                          "different tokenizer; draft and target must share a tokenizer")
 
 
 def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = False) -> dict:

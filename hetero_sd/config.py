@@ -111,6 +111,10 @@ class DrafterConfig(_Section):
     # kind=model: the draft's LM head scores only token ids < vocab (BPE lists
     # frequent tokens first): a cheaper draft; the target still decides every token.
     vocab: Annotated[int, Field(ge=1)] | None = None
+    # kind=model, greedy requests: a round's drafts stop where the draft's own probability
+    # of its next token falls below this (0: always k). A draft the target likely refuses
+    # costs a verify row; worth it where a draft token is cheap and often wrong.
+    min_prob: float = Field(0.0, ge=0, lt=1)
     # A cascade: intermediate models between this drafter and the target, outermost
     # (closest to the target) first. Each verifies the one after it.
     stages: list[StageConfig] = Field(default_factory=list)

@@ -11,7 +11,7 @@ runners and drafters.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetero_sd.cluster import RayPlacement
@@ -63,7 +63,7 @@ def _innermost(cfg: Config) -> DrafterSpec:
         return head_spec(cfg)
     if d.kind == "hybrid":
         return HybridSpec(suffix_spec(d), head_spec(cfg), d.hybrid_min_match)
-    return placed(cfg, d, "draft model")
+    return replace(placed(cfg, d, "draft model"), min_prob=d.min_prob)
 
 
 def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:

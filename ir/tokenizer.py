@@ -81,6 +81,8 @@ class FastTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    backend_tokenizer = property(lambda self: self._tok)  # the `tokenizers` object, as transformers names it
+
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -14,6 +14,7 @@ from typing import Callable
 from hetero_sd.drafting import worker
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.cascade import CascadeDrafter
+from hetero_sd.drafting.cross_vocab import CrossVocabDrafter, TokenizerCodec, VocabBridge
 from hetero_sd.drafting.head import HeadDrafter
 from hetero_sd.drafting.hybrid import HybridDrafter
 from hetero_sd.drafting.model import ModelDrafter
@@ -35,7 +36,10 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, SuffixSpec):
         return SuffixDrafter(spec.max_depth, spec.factor, spec.min_token_prob, spec.max_cached_requests)
     if isinstance(spec, ModelSpec):
-        return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab)
+        if spec.translate is not None:
+            return cross_vocab_drafter(spec, target_vocab, load)
+        return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab,
+                            spec.min_prob)
     if isinstance(spec, HeadSpec):
         return HeadDrafter(load_head(spec, load), target_vocab)
     if isinstance(spec, HybridSpec):
@@ -55,6 +59,21 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
                              mode=spec.mode, timeout_s=spec.timeout_s, start_timeout_s=spec.start_timeout_s,
                              threads=spec.threads, cpu=spec.cpus, ray=spec.ray)
     raise TypeError(f"not a drafter spec: {spec!r}")
+
+
+def cross_vocab_drafter(spec: ModelSpec, target_vocab: int, load) -> CrossVocabDrafter:
+    """A draft model of another tokenizer than the target's (spec.translate names the target)."""
+    if spec.vocab is not None:
+        raise ConfigError(f"{spec.role} {Path(spec.model).name}: vocab: restricts a draft's head to the "
+                          "target's first ids, which a draft of another tokenizer does not share; drop it")
+    draft_tok, target_tok = load.tokenizer(spec.model), load.tokenizer(spec.translate)
+    runner = load(spec)
+    try:
+        bridge = VocabBridge(TokenizerCodec(target_tok), TokenizerCodec(draft_tok), target_vocab, runner.vocab_size)
+        return CrossVocabDrafter(runner, bridge, spec.min_prob)
+    except BaseException:
+        runner.close()
+        raise
 
 
 # A head's backends and their precisions (the first is what "default" means there).

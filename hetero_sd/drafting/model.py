@@ -28,9 +28,9 @@ class ModelDrafter(Drafter):
     can_fork = True
 
     def __init__(self, runner: Runner, target_vocab: int, draft_desc: str = "draft model",
-                 head_vocab: int | None = None):
+                 head_vocab: int | None = None, min_prob: float = 0.0):
         check_vocab(runner, target_vocab, draft_desc, head_vocab)
-        self.runner, self.target_vocab = runner, target_vocab
+        self.runner, self.target_vocab, self.min_prob = runner, target_vocab, min_prob
         self._seq: int | None = None
         self._cached: list[int] = []  # tokens whose KV the draft cache holds, in order
         self._sampler = None
@@ -90,13 +90,18 @@ class ModelDrafter(Drafter):
 
     def _next(self, feed: list[int]):
         """The next draft token and the q it was drawn from (None when greedy);
-        (None, None) when the grammar allows nothing the draft's head can propose.
+        (None, None) when the grammar allows nothing the draft's head can propose,
+        or a greedy draft falls below min_prob.
         With a guide the draft's logits are masked first, so drafts stay on the
         grammar and q is the masked, renormalised distribution they came from."""
         start = len(self._cached)
         if self._guide is None:
             if self._sampler is None:
-                return self.runner.greedy(self._seq, feed, start, 1)[0], None
+                token, sure = confident_greedy(self.runner, self._seq, feed, start, self.min_prob)
+                if not sure:  # fed, not proposed: the cache holds the feed
+                    self._cached.extend(feed)
+                    return None, None
+                return token, None
             return self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
         from hetero_sd.constraint.guide import mask_logits
 
@@ -108,6 +113,16 @@ class ModelDrafter(Drafter):
         if self._sampler is None:
             return int(logits[0].argmax()), None
         return self._sampler.sample_draft(logits)
+
+
+def confident_greedy(runner: Runner, seq: int, feed: list[int], start: int, min_prob: float) -> tuple[int, bool]:
+    """The draft's greedy next token, and whether its probability reaches min_prob
+    (always, when min_prob is 0: then only the ids are asked for)."""
+    if min_prob <= 0:
+        return runner.greedy(seq, feed, start, 1)[0], True
+    logits = runner.forward(seq, feed, start, 1)[-1].astype(np.float64)
+    token = int(logits.argmax())
+    return token, 1.0 / np.exp(logits - logits[token]).sum() >= min_prob
 
 
 def check_vocab(runner: Runner, target_vocab: int, desc: str, head_vocab: int | None = None) -> None:

@@ -15,11 +15,12 @@ ModelSpec is also what `loading.Loader` loads a runner from (the target too).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Union
 
 from hetero_sd.cluster.placement import RayPlacement
+from hetero_sd.ir.errors import ConfigError
 
 DEFAULT_KV_BUDGET = 256 * 2**20
 TRANSPORTS = ("shm", "tcp", "pipe", "inproc", "ray")  # inproc: the worker loop in a thread (tests); ray: an actor
@@ -36,6 +37,10 @@ class ModelSpec:
     role: str = "draft model"  # how errors and progress bars name it ("target", "drafter.stages.0")
     vocab: int | None = None  # a draft's LM head over token ids < vocab only (None: all)
     features: tuple[int, ...] = ()  # decoder layers whose hidden states the runner returns (take_features)
+    # a draft whose tokenizer is not the target's: the target model, whose tokenizer its
+    # text is translated to and from (drafting/cross_vocab.py); None: they share one
+    translate: str | None = None
+    min_prob: float = 0.0  # greedy drafts stop below this draft probability (DrafterConfig.min_prob)
 
     @property
     def label(self) -> str:
@@ -149,6 +154,24 @@ def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
         yield spec.stage
     elif isinstance(spec, WorkerSpec):
         yield from model_specs(spec.inner)
+
+
+def translated(spec: DrafterSpec | None, target: str, foreign) -> DrafterSpec | None:
+    """The tree with every draft model for which `foreign(model)` holds (its tokenizer
+    is not the target's) drafting through the target's text. A cascade stage verifies
+    its inner drafter's target ids and cannot: that is an error."""
+    if isinstance(spec, ModelSpec):
+        return replace(spec, translate=target) if foreign(spec) else spec
+    if isinstance(spec, CascadeSpec):
+        if foreign(spec.stage):
+            raise ConfigError(f"{spec.stage.role} {Path(spec.stage.model).name} has another tokenizer than the "
+                              "target's: a cascade stage verifies its inner drafter's token ids and must share "
+                              "the target's tokenizer (a draft model of another tokenizer drafts as "
+                              "drafter.kind: model)")
+        return replace(spec, inner=translated(spec.inner, target, foreign))
+    if isinstance(spec, WorkerSpec):
+        return replace(spec, inner=translated(spec.inner, target, foreign))
+    return spec
 
 
 def has_distributions(spec: DrafterSpec) -> bool:

@@ -259,8 +259,11 @@ def _init_weights(model, seed: int, tied: bool, gemma: bool = False) -> None:
             raise AssertionError(f"unexpected parameter {name} {tuple(param.shape)}")
 
 
-def make_hf_model(out_dir, variant: str, seed: int = 0, shards: int = 1) -> Path:
+def make_hf_model(out_dir, variant: str, seed: int = 0, shards: int = 1, vocab_size: int | None = None) -> Path:
     """Build, initialise and save a tiny transformers model plus tokenizer into `out_dir`.
+
+    `vocab_size`: a tokenizer trained to that many entries (and a model to match)
+    instead of VOCAB_SIZE: another vocabulary over the same corpus.
 
     `shards > 1` writes a sharded folder (model-0000k-of-0000n.safetensors plus
     model.safetensors.index.json) with at least two and roughly `shards` files.
@@ -268,6 +271,8 @@ def make_hf_model(out_dir, variant: str, seed: int = 0, shards: int = 1) -> Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = _config_for(variant)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     torch.manual_seed(seed)
     model = _model_class(config)(config, dtype=torch.float32).to(torch.float32).eval()
     _init_weights(model, seed, tied=config.tie_word_embeddings, gemma=config.model_type == "gemma3_text")

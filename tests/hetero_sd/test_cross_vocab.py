@@ -1,0 +1,207 @@
+"""A draft model of another tokenizer (drafting/cross_vocab.py).
+
+Sampling: Token-Level Intersection must keep the target's distribution. On
+table models with two different vocabularies (the target spells a, b, c; the
+draft b, a, d in another order, so shared ids differ and each side has a token
+the other lacks) the target's exact distribution over 4-token continuations is
+enumerable, and what the engine emits is compared with it by chi-square. Three
+deliberately wrong proposals show the test has power: q not restricted to the
+intersection and q not renormalised fail it, and a token outside the
+intersection is refused by the rejection step.
+
+Greedy: tiny transformers models with two different trained BPE tokenizers,
+through the real config path, on every backend: output token-identical to the
+target alone for k = 1..8.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_sd.drafting.cross_vocab import CrossVocabDrafter, VocabBridge, token_pieces
+from hetero_sd.engine import Engine
+from hetero_sd.errors import GenerationError
+from hetero_sd.sampling import SamplingParams, draw
+from helpers.table_model import TableRunner, chi_square_p, exact_joint
+
+ALPHA = 1e-3
+PROMPT, NEW, N = [0, 1, 2, 0, 1], 4, 3000
+
+
+class LetterCodec:
+    """One letter per id, the last id EOS; text it cannot spell goes to `unknown`."""
+
+    def __init__(self, letters: str, unknown: int | None = None):
+        self.letters, self.unknown = letters, unknown
+        self.pieces = [c.encode() for c in letters] + [b"</s>"]
+
+    def encode(self, text: str, start: bool = False) -> list[int]:
+        text = text.replace("</s>", "\0")
+        return [len(self.letters) if c == "\0" else self.letters.index(c) if c in self.letters else self.unknown
+                for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.letters[i] if i < len(self.letters) else "</s>" for i in ids)
+
+
+def _bridge() -> VocabBridge:
+    # target: a b c </s>; draft: b a d </s> (each spells the letter it lacks as its third)
+    return VocabBridge(LetterCodec("abc", unknown=2), LetterCodec("bad", unknown=2), 4, 4)
+
+
+def _engine(drafter_cls=CrossVocabDrafter) -> tuple[Engine, TableRunner]:
+    target = TableRunner(4, seed=0)
+    draft = TableRunner(4, seed=3, scale=1.0)
+    return Engine(target, drafter_cls(draft, _bridge()), k=3), target
+
+
+def _emitted(engine: Engine, params: SamplingParams, n: int = N):
+    counts, drafted, accepted = {}, 0, 0
+    for seed in range(n):
+        res = engine.generate_ids(PROMPT, NEW, sampling=SamplingParams(params.temperature, params.top_k,
+                                                                      params.top_p, seed))
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+    return counts, drafted, accepted
+
+
+def test_the_bridge_maps_equal_bytes_only():
+    bridge = _bridge()
+    assert bridge.to_target.tolist() == [1, 0, -1, 3]  # b->1, a->0, d: none, </s>->3
+    q = np.array([0.5, 0.3, 0.0, 0.2])
+    assert bridge.scatter(q).tolist() == [0.3, 0.5, 0.0, 0.2]
+    assert bridge.draft_context([0, 2, 1]) == [1, 2, 0]  # "acb": c spelled as the draft's unknown
+    assert bridge.target_continuation([0, 1], [0, 1]) == [1, 0]  # the draft's "ba"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=3),
+                                    SamplingParams(1.2, top_p=0.85)], ids=SamplingParams.describe)
+def test_token_level_intersection_keeps_the_target_distribution(params):
+    engine, target = _engine()
+    counts, drafted, accepted = _emitted(engine, params)
+    p_value = chi_square_p(counts, exact_joint(target, params, PROMPT, NEW), N)
+    assert p_value > ALPHA, f"{params.describe()}: chi-square p={p_value:.2e}"
+    assert 0 < accepted < drafted  # both outcomes of the acceptance test happened
+
+
+class _Unrestricted(CrossVocabDrafter):
+    """Wrong: draws from the whole q (a token the target lacks ends the draft) and
+    reports that q, not the one its proposals actually come from."""
+
+    def _propose(self, q):
+        token = draw(q, self._sampler.draft_rng)
+        if not self.bridge.shared[token]:
+            return None
+        return token, int(self.bridge.to_target[token]), self.bridge.scatter(q)
+
+
+class _Unnormalised(CrossVocabDrafter):
+    """Wrong: restricts q but reports it without renormalising."""
+
+    def _propose(self, q):
+        restricted = np.where(self.bridge.shared, q, 0.0)
+        if restricted.sum() <= 0:
+            return None
+        token = draw(restricted / restricted.sum(), self._sampler.draft_rng)
+        return token, int(self.bridge.to_target[token]), self.bridge.scatter(restricted)
+
+
+class _Outside(CrossVocabDrafter):
+    """Wrong: a draft token the target lacks is proposed anyway, under the target id
+    of the same number, with q as if only shared tokens could be drawn."""
+
+    def _propose(self, q):
+        token = draw(q, self._sampler.draft_rng)
+        shared = self.bridge.shared
+        target_token = int(self.bridge.to_target[token]) if shared[token] else token
+        return token, target_token, self.bridge.scatter(np.where(shared, q, 0.0) / q[shared].sum())
+
+
+@pytest.mark.parametrize("wrong", [_Unrestricted, _Unnormalised])
+def test_each_wrong_q_is_detected(wrong):
+    engine, target = _engine(wrong)
+    params = SamplingParams(1.0)
+    counts, _, _ = _emitted(engine, params)
+    assert chi_square_p(counts, exact_joint(target, params, PROMPT, NEW), N) < ALPHA
+
+
+def test_a_token_outside_the_intersection_is_refused():
+    """Its q says the proposal could not have been drawn: the rejection step refuses it
+    (a ratio p/q over a zero q would accept it whatever the target says)."""
+    engine, _ = _engine(_Outside)
+    with pytest.raises(GenerationError, match="probability 0 under its own draft distribution"):
+        _emitted(engine, SamplingParams(1.0), 200)
+
+
+def test_greedy_output_is_the_target_s():
+    target = TableRunner(4, seed=0)
+    alone = Engine(target, None).generate_ids(PROMPT, 24).token_ids
+    for k in range(1, 9):
+        engine = Engine(target, CrossVocabDrafter(TableRunner(4, seed=3, scale=1.0), _bridge()), k=k)
+        res = engine.generate_ids(PROMPT, 24)
+        assert res.token_ids == alone, k
+        assert res.stats.drafted > 0
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["same-vocab", "cross-vocab"])
+def test_min_prob_stops_unsure_greedy_drafts_and_stays_lossless(cross):
+    from hetero_sd.drafting import ModelDrafter
+
+    target = TableRunner(4, seed=0)
+    alone = Engine(target, None).generate_ids(PROMPT, 30).token_ids
+    drafted = {}
+    for min_prob in (0.0, 0.45, 0.99):
+        draft = TableRunner(4, seed=3, scale=1.0)
+        drafter = CrossVocabDrafter(draft, _bridge(), min_prob) if cross else ModelDrafter(draft, 4, min_prob=min_prob)
+        res = Engine(target, drafter, k=4).generate_ids(PROMPT, 30)
+        assert res.token_ids == alone, min_prob
+        drafted[min_prob] = res.stats.drafted
+    assert drafted[0.0] > drafted[0.45] > drafted[0.99] == 0, drafted
+
+
+def test_pieces_of_a_byte_level_tokenizer():
+    from helpers.tiny_models import make_tokenizer
+
+    tok = make_tokenizer()
+    pieces = token_pieces(tok)
+    ids = tok.encode("The capital of France is Paris.", add_special_tokens=False)
+    assert b"".join(pieces[i] for i in ids) == b"The capital of France is Paris."
+    assert pieces[tok.convert_tokens_to_ids("<|im_start|>")] == b"<|im_start|>"
+
+
+# ------------------------------------------------------------------ greedy, real models
+DRAFT_VOCAB = 320  # the target's tokenizer has 384 entries: another BPE over the same corpus
+
+
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory):
+    from helpers.tiny_models import make_hf_model
+
+    return make_hf_model(tmp_path_factory.mktemp("foreign") / "draft", "llama", seed=1, vocab_size=DRAFT_VOCAB)
+
+
+PAIRS = [("onnxruntime", "int4", "torch", "fp32"), ("torch", "fp32", "onnxruntime", "int4"),
+         ("openvino", "fp32", "onnxruntime", "fp32")]
+
+
+@pytest.mark.parametrize("target_backend,target_precision,draft_backend,draft_precision", PAIRS)
+def test_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft, tmp_path, target_backend,
+                                                  target_precision, draft_backend, draft_precision):
+    from hetero_sd.config import load_config
+    from hetero_sd.scheduler import FixedDraftLength
+    from helpers.tiny_models import make_tokenizer
+
+    target = tiny_model_dir("llama")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"target: {{model: {target}, backend: {target_backend}, precision: {target_precision}}}\n"
+                    f"drafter: {{kind: model, model: {foreign_draft}, backend: {draft_backend}, "
+                    f"precision: {draft_precision}, k: 3}}\n"
+                    "memory: {kv_budget: 4MiB}\n")
+    engine = Engine.from_config(load_config(path))
+    prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
+    alone = engine.generate_ids(prompt, 40, target_only=True).token_ids
+    for k in range(1, 9):
+        engine.policy = FixedDraftLength(k)
+        res = engine.generate_ids(prompt, 40)
+        assert res.token_ids == alone, f"k={k}"
+        assert res.stats.drafted > 0 and res.stats.lossless == "exact"
