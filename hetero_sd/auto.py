@@ -10,6 +10,8 @@ automatic run on a machine pays for it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sys
 
 from hetero_sd.backends.base import Runner
@@ -149,7 +151,9 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":
             return suffix_spec(d) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
-        return model_spec(draft_path, candidate.draft_placement, "draft model")
+        spec = replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=d.min_prob)
+        # (a draft of another tokenizer drafts through the text, here as in build())
+        return spec if load.shares_tokenizer(draft_path, target_path) else replace(spec, translate=target_path)
 
     vocab = load.ir(target_path).config.vocab_size
     fallback = PlanFallback(plan, lambda placement: load(model_spec(target_path, placement, "target")),

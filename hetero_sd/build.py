@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from hetero_sd.auto import plan_engine
 from hetero_sd.backends.registry import discover
@@ -43,13 +42,9 @@ def build(spec: EngineSpec, load: Loader) -> Built:
         load.check(model)
     target_ir = load.ir(spec.target.model)
     tokenizer = load.tokenizer(spec.target.model)
-    vocab = tokenizer.get_vocab()
-
-    def foreign(model) -> bool:  # equal sizes are not enough: the same id must mean the same text
-        return Path(model.model).resolve() != target_ir.source.resolve() and \
-            load.tokenizer(model.model).get_vocab() != vocab
-
-    spec = replace(spec, drafter=translated(spec.drafter, str(target_ir.source), foreign))
+    target = str(target_ir.source)
+    spec = replace(spec, drafter=translated(spec.drafter, target,
+                                            lambda model: not load.shares_tokenizer(model.model, target)))
     spec = reserve_places(spec)  # a Ray placement group, when the config asks for one
     drafter = target = None
     try:

@@ -94,6 +94,9 @@ class DrafterConfig(_Section):
     head: str = "auto"
     # kind=hybrid: suffix drafts when the context's match is at least this long, else the head's
     hybrid_min_match: int = Field(4, ge=1)
+    # kind=hybrid: what drafts where the match is short: the head, or the draft model
+    # (model / backend / device / precision / min_prob below; any tokenizer)
+    hybrid_with: Literal["head", "model"] = "head"
     backend: str = "torch"
     device: str = "cpu"
     precision: str = "default"

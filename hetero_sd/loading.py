@@ -50,6 +50,13 @@ class Loader:
         with _progress(self.progress, f"tokenizer of {Path(model).name}") as progress:
             return self.ir(model).load_tokenizer(progress=progress)
 
+    def shares_tokenizer(self, model: str | Path, target: str | Path) -> bool:
+        """Whether the same id means the same text in both (equal sizes are not enough);
+        a draft that does not drafts through the text (drafting/cross_vocab.py)."""
+        if Path(model).resolve() == Path(target).resolve():
+            return True
+        return self.tokenizer(model).get_vocab() == self.tokenizer(target).get_vocab()
+
     def check(self, spec: ModelSpec) -> tuple[DeviceInfo, PrecisionInfo]:
         """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
         try:

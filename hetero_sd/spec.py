@@ -62,8 +62,13 @@ def _innermost(cfg: Config) -> DrafterSpec:
     if d.kind == "head":
         return head_spec(cfg)
     if d.kind == "hybrid":
-        return HybridSpec(suffix_spec(d), head_spec(cfg), d.hybrid_min_match)
-    return replace(placed(cfg, d, "draft model"), min_prob=d.min_prob)
+        other = head_spec(cfg) if d.hybrid_with == "head" else _draft_model(cfg)
+        return HybridSpec(suffix_spec(d), other, d.hybrid_min_match)
+    return _draft_model(cfg)
+
+
+def _draft_model(cfg: Config) -> ModelSpec:
+    return replace(placed(cfg, cfg.drafter, "draft model"), min_prob=cfg.drafter.min_prob)
 
 
 def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:

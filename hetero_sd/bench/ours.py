@@ -67,7 +67,9 @@ def _drafter_label(cfg: Config) -> str:
     if d.kind == "suffix":
         return f"suffix decoding k={d.k}"
     if d.kind in ("head", "hybrid"):
-        what = "EAGLE-3 head" if d.kind == "head" else f"hybrid (suffix on matches >= {d.hybrid_min_match}, else head)"
+        other = "head" if d.hybrid_with == "head" else f"draft model {Path(d.model or cfg.target.model).name}"
+        what = "EAGLE-3 head" if d.kind == "head" else \
+            f"hybrid (suffix on matches >= {d.hybrid_min_match}, else {other})"
         return f"{what} on {d.backend}:{d.device}, k={d.k}"
     return "no drafter"
 

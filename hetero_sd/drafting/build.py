@@ -45,7 +45,7 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, HybridSpec):
         s = spec.suffix
         return HybridDrafter(SuffixDrafter(s.max_depth, s.factor, s.min_token_prob, s.max_cached_requests),
-                             HeadDrafter(load_head(spec.head, load), target_vocab), spec.min_match)
+                             build_drafter(spec.head, target_vocab, load), spec.min_match)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)
         try:

@@ -1,4 +1,5 @@
-"""The hybrid drafter: suffix decoding where the text repeats, the EAGLE head elsewhere.
+"""The hybrid drafter: suffix decoding where the text repeats, the EAGLE head (or a
+draft model: `head` is any drafter) elsewhere.
 
 Each round the suffix drafter (cheap: a tree walk) drafts first. When its match
 is long (>= min_match tokens of context seen before) and it proposes, its draft
@@ -19,7 +20,6 @@ from __future__ import annotations
 import copy
 
 from hetero_sd.drafting.base import Drafter
-from hetero_sd.drafting.head import HeadDrafter
 from hetero_sd.drafting.suffix import SuffixDrafter
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
@@ -32,7 +32,7 @@ class HybridDrafter(Drafter):
     name = "hybrid"
     can_fork = True
 
-    def __init__(self, suffix: SuffixDrafter, head: HeadDrafter, min_match: int = 4, min_head_rate: float = 0.35):
+    def __init__(self, suffix: SuffixDrafter, head: Drafter, min_match: int = 4, min_head_rate: float = 0.35):
         if min_match < 1:
             raise ConfigError(f"hybrid drafter: min_match must be >= 1, got {min_match}")
         self.suffix, self.head, self.min_match, self.min_head_rate = suffix, head, min_match, min_head_rate

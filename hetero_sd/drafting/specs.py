@@ -94,10 +94,10 @@ class HeadSpec:
 @dataclass(frozen=True)
 class HybridSpec:
     """Suffix drafts where the context's match is at least `min_match` tokens long,
-    the head's elsewhere (drafting/hybrid.py)."""
+    the head's (or a draft model's, of any tokenizer) elsewhere (drafting/hybrid.py)."""
 
     suffix: SuffixSpec
-    head: HeadSpec
+    head: "HeadSpec | ModelSpec"
     min_match: int = 4
 
     @property
@@ -152,6 +152,8 @@ def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
     elif isinstance(spec, CascadeSpec):
         yield from model_specs(spec.inner)
         yield spec.stage
+    elif isinstance(spec, HybridSpec):
+        yield from model_specs(spec.head)
     elif isinstance(spec, WorkerSpec):
         yield from model_specs(spec.inner)
 
@@ -171,6 +173,8 @@ def translated(spec: DrafterSpec | None, target: str, foreign) -> DrafterSpec | 
         return replace(spec, inner=translated(spec.inner, target, foreign))
     if isinstance(spec, WorkerSpec):
         return replace(spec, inner=translated(spec.inner, target, foreign))
+    if isinstance(spec, HybridSpec):
+        return replace(spec, head=translated(spec.head, target, foreign))
     return spec
 
 

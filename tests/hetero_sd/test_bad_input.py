@@ -95,7 +95,7 @@ CASES = [
          lambda t, m, s: tiny_yaml(m, drafter="kk: 3"),
          ConfigError, lambda t, m, s: ["bad.yaml", "drafter.kk", "unknown key",
                                        "allowed: kind, k, k_max, min_ngram, max_ngram, suffix_max_depth",
-                                       "model, head, hybrid_min_match, backend, device, precision"]),
+                                       "model, head, hybrid_min_match, hybrid_with, backend, device, precision"]),
     Case("unknown-section",
          lambda t, m, s: tiny_yaml(m, drafterr="k: 3"),
          ConfigError, lambda t, m, s: ["bad.yaml", "drafterr", "allowed: placement, target, drafter, generation, memory, auto"]),

@@ -180,6 +180,15 @@ def foreign_draft(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("foreign") / "draft", "llama", seed=1, vocab_size=DRAFT_VOCAB)
 
 
+def _from_yaml(tmp_path, target: str, drafter: str, extra: str = "", budget: str = "4MiB") -> Engine:
+    """An engine built through the config path from `target:` and `drafter:` flow mappings."""
+    from hetero_sd.config import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"{extra}target: {{{target}}}\ndrafter: {{{drafter}}}\nmemory: {{kv_budget: {budget}}}\n")
+    return Engine.from_config(load_config(path))
+
+
 PAIRS = [("onnxruntime", "int4", "torch", "fp32"), ("torch", "fp32", "onnxruntime", "int4"),
          ("openvino", "fp32", "onnxruntime", "fp32")]
 
@@ -187,17 +196,13 @@ PAIRS = [("onnxruntime", "int4", "torch", "fp32"), ("torch", "fp32", "onnxruntim
 @pytest.mark.parametrize("target_backend,target_precision,draft_backend,draft_precision", PAIRS)
 def test_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft, tmp_path, target_backend,
                                                   target_precision, draft_backend, draft_precision):
-    from hetero_sd.config import load_config
     from hetero_sd.scheduler import FixedDraftLength
     from helpers.tiny_models import make_tokenizer
 
-    target = tiny_model_dir("llama")
-    path = tmp_path / "cfg.yaml"
-    path.write_text(f"target: {{model: {target}, backend: {target_backend}, precision: {target_precision}}}\n"
-                    f"drafter: {{kind: model, model: {foreign_draft}, backend: {draft_backend}, "
-                    f"precision: {draft_precision}, k: 3}}\n"
-                    "memory: {kv_budget: 4MiB}\n")
-    engine = Engine.from_config(load_config(path))
+    engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}, backend: {target_backend}, "
+                                  f"precision: {target_precision}",
+                        f"kind: model, model: {foreign_draft}, backend: {draft_backend}, "
+                        f"precision: {draft_precision}, k: 3")
     prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
     alone = engine.generate_ids(prompt, 40, target_only=True).token_ids
     for k in range(1, 9):
@@ -205,3 +210,45 @@ def test_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft,
         res = engine.generate_ids(prompt, 40)
         assert res.token_ids == alone, f"k={k}"
         assert res.stats.drafted > 0 and res.stats.lossless == "exact"
+
+
+def test_a_hybrid_with_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft, tmp_path):
+    """kind: hybrid, hybrid_with: model: suffix drafts where the text repeats, the
+    foreign draft elsewhere: output equal to the target alone."""
+    from hetero_sd.drafting.hybrid import HybridDrafter
+
+    engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}, backend: onnxruntime, precision: int4",
+                        f"kind: hybrid, hybrid_with: model, model: {foreign_draft}, backend: onnxruntime, "
+                        "precision: fp32, k: 4, min_prob: 0.2")
+    assert isinstance(engine._drafter.default, HybridDrafter)
+    assert isinstance(engine._drafter.default.head, CrossVocabDrafter)
+    from helpers.tiny_models import make_tokenizer
+
+    prompt = make_tokenizer().encode("red green blue, red green blue, red green blue. The capital of",
+                                     add_special_tokens=False)
+    alone = engine.generate_ids(prompt, 40, target_only=True).token_ids
+    res = engine.generate_ids(prompt, 40)
+    assert res.token_ids == alone and res.stats.drafted > 0
+    assert sum(engine._drafter.default.picks.values()) > 0
+
+
+def test_automatic_placement_plans_a_draft_of_another_tokenizer(tiny_model_dir, foreign_draft, tmp_path,
+                                                               monkeypatch):
+    """placement: auto profiles the foreign draft like any (declared costs, no clock),
+    and the plan's draft drafts through the text, losslessly."""
+    import json
+
+    from hetero_sd import profiler
+    from hetero_sd.testing.fake_backend import ENV, declared_figures
+
+    monkeypatch.setattr(profiler, "measure_runner", declared_figures)
+    monkeypatch.setenv(ENV, json.dumps({"simulate_time": False, "devices": [
+        {"device": "fake:0", "costs": {"decode_per_token_s": 0.005, "verify_base_s": 0.005,
+                                       "verify_per_token_s": 0.0002, "prefill_per_token_s": 1e-5}}]}))
+    engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}", f"kind: model, model: {foreign_draft}, k: auto",
+                        "placement: auto\nauto: {quick: true, backends: [fake], precisions: [fp32], "
+                        "acceptance: {model: 0.95}}\n", budget="1MiB")
+    assert engine.plan is not None  # (k: auto keeps a speculative plan's drafter even where none leads)
+    assert isinstance(engine._drafter.default, CrossVocabDrafter)
+    prompt = list(range(5, 25))
+    assert engine.generate_ids(prompt, 16).token_ids == engine.generate_ids(prompt, 16, target_only=True).token_ids

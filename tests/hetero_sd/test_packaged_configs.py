@@ -24,25 +24,35 @@ def test_loads(name):
     assert cfg.target.backend in ("torch", "onnxruntime", "openvino")
 
 
-def _big_model_overrides(name: str, tiny_gguf) -> dict:
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory):
+    """A tiny draft of another tokenizer (for configs whose draft is another family's)."""
+    from helpers.tiny_models import make_hf_model
+
+    return make_hf_model(tmp_path_factory.mktemp("foreign") / "draft", "llama", seed=1, vocab_size=320)
+
+
+def _big_model_overrides(name: str, tiny_gguf, foreign_draft) -> dict:
     """The Qwen2.5-Coder configs, every key as shipped but the models: a tiny
     Q4_K_M target and a draft of other block types (the packages hold 1.6 GB;
-    benchmarks/check_pair.py runs the real pair), and a draft head that fits
-    the tiny vocabulary."""
+    benchmarks/check_pair.py runs the real pair), or of another tokenizer where
+    the shipped draft is another family's, and a draft head that fits the tiny vocabulary."""
     cfg = load_config(PACKAGED / name)
     out = {"target.model": str(tiny_gguf("qwen2-wide", "Q4_K_M"))}
     if cfg.drafter.kind == "model":
-        out["drafter.model"] = str(tiny_gguf("qwen2-wide", "LEGACY"))
+        same_family = cfg.drafter.model is None or cfg.drafter.model.startswith("qwen")
+        out["drafter.model"] = str(tiny_gguf("qwen2-wide", "LEGACY") if same_family else foreign_draft)
         if cfg.drafter.vocab:
             out["drafter.vocab"] = 200
     return out
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if n not in ACCELERATOR_ONLY])
-def test_runs_losslessly_here(name, tiny_gguf):
+def test_runs_losslessly_here(name, tiny_gguf, foreign_draft):
     import os
 
-    overrides = OVERRIDES.get(name) or (_big_model_overrides(name, tiny_gguf) if name.startswith("qwen") else None)
+    overrides = OVERRIDES.get(name) or (_big_model_overrides(name, tiny_gguf, foreign_draft)
+                                        if name.startswith("qwen") else None)
     affinity = os.sched_getaffinity(0)
     engine = Engine.from_config(load_config(PACKAGED / name, overrides))
     try:
