@@ -243,7 +243,8 @@ def test_automatic_placement_plans_a_draft_of_another_tokenizer(tiny_model_dir, 
 
     monkeypatch.setattr(profiler, "measure_runner", declared_figures)
     monkeypatch.setenv(ENV, json.dumps({"simulate_time": False, "devices": [
-        {"device": "fake:0", "costs": {"decode_per_token_s": 0.005, "verify_base_s": 0.005,
+        # a device name of its own: profiles are cached per device for the test session
+        {"device": "fake:9", "costs": {"decode_per_token_s": 0.005, "verify_base_s": 0.005,
                                        "verify_per_token_s": 0.0002, "prefill_per_token_s": 1e-5}}]}))
     engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}", f"kind: model, model: {foreign_draft}, k: auto",
                         "placement: auto\nauto: {quick: true, backends: [fake], precisions: [fp32], "
