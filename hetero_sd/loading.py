@@ -24,6 +24,7 @@ class Loader:
     def __init__(self, registry: Registry | None = None, progress: bool = False):
         self._registry, self.progress = registry, progress
         self._irs: dict[Path, ModelIR] = {}
+        self._tokenizers: dict[Path, object] = {}  # read once: a build asks for each several times
 
     @property
     def registry(self) -> Registry:
@@ -47,8 +48,11 @@ class Loader:
 
     def tokenizer(self, model: str | Path):
         """The model's tokenizer (built once from a GGUF and cached, with a progress line)."""
-        with _progress(self.progress, f"tokenizer of {Path(model).name}") as progress:
-            return self.ir(model).load_tokenizer(progress=progress)
+        path = Path(model).resolve()
+        if path not in self._tokenizers:
+            with _progress(self.progress, f"tokenizer of {path.name}") as progress:
+                self._tokenizers[path] = self.ir(path).load_tokenizer(progress=progress)
+        return self._tokenizers[path]
 
     def shares_tokenizer(self, model: str | Path, target: str | Path) -> bool:
         """Whether the same id means the same text in both (equal sizes are not enough);

@@ -27,8 +27,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafting.base import Drafter, common_prefix
-from hetero_sd.drafting.model import confident_greedy
+from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.model import confident_greedy, sync_cache
 from hetero_sd.ir.errors import ConfigError, KVBudgetError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 from hetero_sd.sampling import draw
@@ -189,13 +189,12 @@ class CrossVocabDrafter(Drafter):
         if self._seq is None:
             raise RuntimeError("CrossVocabDrafter.begin must be called before draft")
         context = self.context_for(req)
-        ids = self.bridge.draft_context(context)
-        if not ids or req.k <= 0 or len(ids) + req.k > self._capacity:
+        if req.k <= 0:  # (a hybrid's round for the other drafter: the next one re-tokenizes anyway)
             return DraftResult(req.seq_id, [], None)
-        common = min(common_prefix(self._cached, ids), len(ids) - 1)  # feed >= 1 token for logits
-        self.runner.truncate(self._seq, common)
-        del self._cached[common:]
-        feed = ids[common:]
+        ids = self.bridge.draft_context(context)
+        if not ids or len(ids) + req.k > self._capacity:
+            return DraftResult(req.seq_id, [], None)
+        feed = sync_cache(self.runner, self._seq, self._cached, ids)
         if self._sampler is None:
             drafted = self._greedy(feed, req.k)
             return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None)

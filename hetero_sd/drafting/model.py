@@ -5,7 +5,7 @@ the tokens it was fed, i.e. the context up to the last committed token minus
 one, plus the drafts d1..d(k-1) (dk was sampled, never fed). The target then
 commits the accepted drafts and a bonus token, so the draft cache is either
 ahead (rejected drafts: truncate them) or behind by up to two tokens (dk and
-the bonus: feed them). `ModelDrafter._sync` handles both by keeping the
+the bonus: feed them). `sync_cache` handles both by keeping the
 longest common prefix of what is cached and what is committed.
 """
 from __future__ import annotations
@@ -55,12 +55,7 @@ class ModelDrafter(Drafter):
         self._sampler, self._guide = sampler, guide
 
     def _sync(self, context) -> list[int]:
-        """Truncate the cache to the common prefix; return the tokens still to feed."""
-        # always feed >= 1 token to get logits
-        common = min(common_prefix(self._cached, context), len(context) - 1)
-        self.runner.truncate(self._seq, common)
-        del self._cached[common:]
-        return list(context[common:])
+        return sync_cache(self.runner, self._seq, self._cached, context)
 
     def draft(self, req: DraftRequest) -> DraftResult:
         context = self.context_for(req)
@@ -113,6 +108,15 @@ class ModelDrafter(Drafter):
         if self._sampler is None:
             return int(logits[0].argmax()), None
         return self._sampler.sample_draft(logits)
+
+
+def sync_cache(runner: Runner, seq: int, cached: list[int], context) -> list[int]:
+    """Truncate the draft's cache (and `cached`, the ids it holds) to their common prefix
+    with `context`; return the tokens still to feed (at least one: logits need a row)."""
+    common = min(common_prefix(cached, context), len(context) - 1)
+    runner.truncate(seq, common)
+    del cached[common:]
+    return list(context[common:])
 
 
 def confident_greedy(runner: Runner, seq: int, feed: list[int], start: int, min_prob: float) -> tuple[int, bool]:
