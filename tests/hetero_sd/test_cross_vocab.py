@@ -253,3 +253,22 @@ def test_automatic_placement_plans_a_draft_of_another_tokenizer(tiny_model_dir, 
     assert isinstance(engine._drafter.default, CrossVocabDrafter)
     prompt = list(range(5, 25))
     assert engine.generate_ids(prompt, 16).token_ids == engine.generate_ids(prompt, 16, target_only=True).token_ids
+
+
+def test_what_a_draft_of_another_tokenizer_cannot_do_is_refused(tiny_model_dir, foreign_draft, tmp_path):
+    """A cascade stage verifies its inner drafter's target ids, and vocab: restricts to the
+    target's first ids: neither means anything for another tokenizer; each error says why."""
+    from hetero_sd.errors import ConfigError
+
+    target = f"model: {tiny_model_dir('llama')}"
+    with pytest.raises(ConfigError, match="cascade stage verifies its inner drafter's token ids"):
+        _from_yaml(tmp_path, target, f"kind: ngram, k: 3, stages: [{{model: {foreign_draft}, k: 2}}]")
+    with pytest.raises(ConfigError, match="a draft of another tokenizer does not share"):
+        _from_yaml(tmp_path, target, f"kind: model, model: {foreign_draft}, vocab: 100")
+
+
+def test_vocabularies_that_share_nothing_are_refused():
+    from hetero_sd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="share no token"):
+        VocabBridge(LetterCodec("abc"), LetterCodec("xyz"), 3, 3)
