@@ -46,7 +46,7 @@ def _models(cfg) -> tuple[Path, Path | None]:
     base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
     target = resolve_model(cfg.target.model, base).resolve()
     draft = None
-    if cfg.drafter.kind == "model":
+    if cfg.drafter.kind == "model" or (cfg.drafter.kind == "hybrid" and cfg.drafter.hybrid_with == "model"):
         draft = resolve_model(cfg.drafter.model or cfg.target.model, base).resolve()
     return target, draft
 
@@ -70,7 +70,7 @@ def run(args) -> int:
                             kv_budget=cfg.memory.kv_budget)
     roles = {str(target): "target"}
     if draft is not None:
-        roles[str(draft)] = "draft" if draft != target else "target+draft"
+        roles[str(draft)] = _draft_role(draft, target)
     chosen = None
     if args.explain:
         alphas = {k: v for k, v in (("ngram", args.alpha_ngram), ("model", args.alpha_model)) if v is not None}
@@ -87,6 +87,15 @@ def run(args) -> int:
         if chosen is not None:
             print(chosen.explain())
     return 0
+
+
+def _draft_role(draft: Path, target: Path) -> str:
+    from hetero_sd.loading import Loader
+
+    if draft == target:
+        return "target+draft"
+    # such a draft's tokens are re-tokenized into the target's ids each round (drafting/cross_vocab.py)
+    return "draft" if Loader().shares_tokenizer(draft, target) else "draft (another tokenizer: drafts via text)"
 
 
 def uses_ray(cfg) -> bool:

@@ -165,3 +165,22 @@ def test_auto_plan_respects_a_pinned_target_and_reuses_the_cache(tiny_model_dir,
     again = profiler.auto_plan(target, k_max=3, backends=["onnxruntime"], precisions=["fp32", "int8"], quick=True)
     assert len(measured) == 2  # the second plan came from the cache
     assert {str(c.target) for c in again.ranked} == {"onnxruntime:cpu/int8", "onnxruntime:cpu/fp32"}
+
+
+def test_a_draft_of_another_tokenizer_is_profiled_and_planned(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A pair whose tokenizers differ (drafting/cross_vocab.py) is measured, named as such, and
+    planned; a hybrid with `hybrid_with: model` profiles its draft model too."""
+    from helpers.tiny_models import make_hf_model
+
+    monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path / "cache"))
+    draft = make_hf_model(tmp_path / "draft", "llama", seed=1, vocab_size=320)
+    for drafter in (f"{{kind: model, model: {draft}, k: 3}}",
+                    f"{{kind: hybrid, hybrid_with: model, model: {draft}, k: 3}}"):
+        path = tmp_path / "pair.yaml"
+        path.write_text(f"target: {{model: {tiny_model_dir('llama')}}}\ndrafter: {drafter}\n"
+                        "memory: {kv_budget: 1MiB}\n")
+        data = run_json(capsys, "--config", str(path), "--quick", "--explain", "--backends", "torch",
+                        "--precisions", "fp32")
+        roles = {e["role"] for e in data["profiles"]}
+        assert roles == {"target", "draft (another tokenizer: drafts via text)"}, roles
+        assert data["plan"]["best"]["target"] == "torch:cpu/fp32"
