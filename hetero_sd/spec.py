@@ -177,17 +177,24 @@ def default_head(target_model: str) -> Path:
     return cache_dir("heads", Path(target_model))
 
 
+def packaged_head(target_model: str) -> Path:
+    """Where a head shipped with the package for a target lives (hetero_sd/heads/<file stem>)."""
+    return Path(__file__).parent / "heads" / Path(target_model).stem
+
+
 def head_spec(cfg: Config) -> HeadSpec:
     """The drafter section's EAGLE-3 head, checked: its folder exists and reads."""
     from hetero_sd.ir.eagle import HeadConfig
 
     d, target = cfg.drafter, model_path(cfg, None)
-    if d.head == "auto":
-        path = default_head(target)
-        if not (path / "config.json").exists():
+    if d.head == "auto":  # one trained here first, else the one the package ships
+        path = next((p for p in (default_head(target), packaged_head(target)) if (p / "config.json").exists()),
+                    None)
+        if path is None:
             raise ConfigError(f"{cfg.source}: drafter.head: auto, but no head has been trained for "
-                              f"{Path(target).name} yet (looked in {path}); build it once with "
-                              f"`hetero-sd train-head --config {cfg.source}`, or name a head folder")
+                              f"{Path(target).name} yet (looked in {default_head(target)}) and none ships "
+                              f"for it; build it once with `hetero-sd train-head --config {cfg.source}`, "
+                              "or name a head folder")
     else:
         path = Path(d.head).expanduser()
         if not path.is_absolute() and config_dir(cfg) is not None:

@@ -10,7 +10,9 @@ SGLang): `model.safetensors` with `fc`, `midlayer.*` (one decoder layer whose
 q/k/v read 2 x hidden: the normed token embedding, then the normed hidden
 state), `norm`, `lm_head` over `draft_vocab_size` rows, `d2t` (target id =
 draft id + d2t[draft id]) and `t2d` (bool over the target vocabulary);
-`embed_tokens` is optional (absent: the target's, frozen). `config.json` is an
+`embed_tokens` is optional (absent: the target's, frozen). A matrix may be
+stored as int8 rows with an fp32 scale per row (`NAME.scale`, our addition:
+the form a head ships in), dequantized at load. `config.json` is an
 HF Llama config plus `draft_vocab_size`, `target_hidden_size` and
 `eagle_config.eagle_aux_hidden_state_layer_ids`: EAGLE-3 ids name the *input*
 of target layer i, i.e. our feature layer i - 1 (ir.config.feature_layers).
@@ -112,6 +114,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
+def _int8(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A float matrix as symmetric int8 rows and an fp32 scale per row; anything else as is."""
+    if t.ndim != 2 or not t.is_floating_point():
+        return {name: t}
+    scale = t.abs().amax(1).clamp_min(1e-12) / 127.0
+    return {name: torch.round(t / scale[:, None]).to(torch.int8), f"{name}.scale": scale.float()}
+
+
+def _dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: v for k, v in state.items() if not k.endswith(".scale")}
+    for name, t in out.items():
+        if t.dtype == torch.int8:
+            scale = state.get(f"{name}.scale")
+            if scale is None or scale.shape != (t.shape[0],):
+                raise ModelLoadError(f"draft head: {name} is int8 without a scale per row ({name}.scale)")
+            out[name] = t.float() * scale.float()[:, None]
+    return out
+
+
 class EagleHead(nn.Module):
     """The head's weights and its three operations: fuse, block, logits."""
 
@@ -198,12 +219,17 @@ class EagleHead(nn.Module):
         t2d[self.target_ids] = True
         return {**{k: v.detach().cpu().clone().contiguous() for k, v in self.published().items()}, "t2d": t2d}
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, int8: bool = False) -> None:
+        """EAGLE-3's layout; int8: every matrix as int8 rows with one scale per row (`NAME.scale`),
+        a quarter of the fp32 size, what the package ships (load() reads both)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_for_save(), str(folder / WEIGHTS))
+        state = self.state_for_save()
+        if int8:
+            state = {k: v for name, t in state.items() for k, v in _int8(name, t).items()}
+        save_file(state, str(folder / WEIGHTS))
         (folder / CONFIG).write_text(json.dumps(self.cfg.to_hf(), indent=2) + "\n")
 
     @classmethod
@@ -218,6 +244,7 @@ class EagleHead(nn.Module):
             state = load_file(str(folder / WEIGHTS))
         except Exception as exc:  # missing file, not safetensors
             raise ModelLoadError(f"draft head {folder}: cannot read {WEIGHTS}: {exc}") from None
+        state = _dequantized(state)
         own = state.pop("embed_tokens.weight", None)
         if own is None and embed is None:
             raise ModelLoadError(f"draft head {folder} has no embed_tokens and no target embedding was given")

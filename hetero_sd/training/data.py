@@ -6,16 +6,13 @@ Two sources, as EAGLE-3 trains on (its target's responses to chat prompts):
   copy / summarise prompts over Python standard-library docstrings;
 - teacher-forced text found here: standard-library source files.
 
-Then one target pass per sequence returns what the head learns from: the
-target's features (its chosen layers' hidden states) and its logits over the
-draft vocabulary, for every position.
+More teacher-forced text found here (prose as well as code) is in corpus.py.
 """
 from __future__ import annotations
 
 import ast
 import random
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -44,9 +41,37 @@ _CODE = ["reverses the words in a sentence", "counts the vowels in a string", "m
          "parses a date in YYYY-MM-DD format", "finds the most common word in a text",
          "removes duplicates from a list while keeping order", "converts Celsius to Fahrenheit",
          "validates an email address with a regular expression", "computes the median of a list"]
+_STORY += ["a baker who can taste emotions", "a lost hiker and a talking owl", "a boy who builds a time machine",
+           "a city where everyone sleeps by day", "an old violin with a secret", "a tiny island with one shop",
+           "a girl who collects thunderstorms", "a mail carrier on the moon", "a knight afraid of horses",
+           "a penguin who wants to fly", "a forgotten toy in an attic", "a chef cooking for a king",
+           "a train that never arrives", "a painter who loses her colours", "a whale who sings to ships"]
+_EXPLAIN += ["a nuclear reactor", "a rainbow", "the stock market", "a 3D printer", "a thermostat", "GPS",
+             "a touch screen", "a jet engine", "wifi", "a battery", "a volcano", "a camera lens", "recycling",
+             "an elevator", "a water filter", "the human heart", "a neural network", "a database index",
+             "noise-cancelling headphones", "a wind turbine", "the seasons", "a mortgage", "a dishwasher"]
+_TIPS += ["staying focused at work", "planning a road trip", "making new friends in a new city",
+          "starting a vegetable garden", "writing a novel", "eating more vegetables", "training a puppy",
+          "preparing for a job interview", "learning to play the guitar", "moving house", "budgeting for a wedding",
+          "staying safe while hiking", "reading more books", "decluttering a wardrobe", "hosting a dinner party"]
+_EMAIL += [("a teacher", "about a child's homework"), ("a gym", "to cancel a membership"),
+           ("a client", "to follow up on an unpaid invoice"), ("a friend", "to invite them to a birthday party"),
+           ("a council office", "about a broken street light"), ("an airline", "about a delayed refund"),
+           ("a recruiter", "to thank them after an interview"), ("a supplier", "to confirm an order")]
+_CODE += ["sorts a list of dictionaries by a key", "reads a CSV file and sums a column", "implements a stack class",
+          "computes the factorial of a number iteratively", "finds all anagrams of a word in a list",
+          "converts a Roman numeral to an integer", "checks whether brackets in a string are balanced",
+          "implements binary search", "counts word frequencies in a file", "generates all permutations of a list",
+          "computes the greatest common divisor of two numbers", "transposes a matrix",
+          "capitalises the first letter of every word", "groups a list of words by their first letter",
+          "implements a simple LRU cache", "returns the longest common prefix of a list of strings"]
 _TEMPLATES = [(_STORY, "Write a short story about {}."), (_EXPLAIN, "Explain how {} works, in simple terms."),
               (_TIPS, "Give me some tips for {}."), (_CODE, "Write a Python function that {}, with a few tests."),
-              (_EXPLAIN, "What are the pros and cons of {}?"), (_STORY, "Write a poem about {}.")]
+              (_EXPLAIN, "What are the pros and cons of {}?"), (_STORY, "Write a poem about {}."),
+              (_EXPLAIN, "Describe the history of {}."), (_TIPS, "Write a step-by-step guide to {}."),
+              (_CODE, "Write a JavaScript function that {}."), (_STORY, "Write the opening paragraph of a novel about {}."),
+              (_EXPLAIN, "Explain {} to a ten-year-old."), (_TIPS, "What are common mistakes people make when {}?"),
+              (_CODE, "Explain, step by step, how to write a program that {}.")]
 
 
 def instruction_prompts() -> list[str]:
@@ -105,27 +130,3 @@ def draft_vocab(sequences: list[list[int]], size: int, vocab: int, always: tuple
     counts[list(always)] = counts.max() + 1
     order = np.argsort(-counts, kind="stable")[:min(size, vocab)]
     return np.sort(order)
-
-
-@dataclass
-class Example:
-    tokens: np.ndarray  # [T] int64
-    features: np.ndarray  # [T, F] float16: the target's chosen layers at each position
-    labels: np.ndarray  # [T, N] float16: the target's logits over the draft vocabulary at each position
-
-
-def target_pass(runner, sequences: list[list[int]], draft_ids: np.ndarray, progress=None) -> list[Example]:
-    """One forward of the target per sequence (features and logits of every row)."""
-    out = []
-    for i, seq in enumerate(sequences):
-        sid = runner.allocate(len(seq))
-        try:
-            logits = runner.forward(sid, seq, 0, len(seq))
-            feats = runner.take_features(sid)
-        finally:
-            runner.release(sid)
-        out.append(Example(np.asarray(seq, dtype=np.int64), feats.astype(np.float16),
-                           logits[:, draft_ids].astype(np.float16)))
-        if progress is not None:
-            progress(i)
-    return out

@@ -52,10 +52,11 @@ def trained(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("llama")
     out = tmp_path_factory.mktemp("head")
     cfg = load_config(_yaml(out, model, "{kind: ngram}"))
-    opts = TrainOptions(prompts=16, max_new_tokens=48, source_chunks=8, seq_len=64, draft_vocab=160,
+    opts = TrainOptions(prompts=16, max_new_tokens=48, source_chunks=8, text_chars=1200, seq_len=64, window=64,
+                        batch=2, gen_batch=8, draft_vocab=160, dtype="fp32", tune_steps=30,
                         steps=STEPS, lr=2e-3)  # counted steps: the same head on a loaded host
     report = train_head(cfg, out, opts)
-    return model, out, report
+    return model, out, report, cfg, opts
 
 
 def _untrained(model: Path, trained_dir: Path, tmp: Path) -> Path:
@@ -77,8 +78,16 @@ def _acceptance(engine: Engine, prompts) -> float:
 
 
 def test_training_learns(trained, tmp_path):
-    model, out, report = trained
+    model, out, report, cfg, opts = trained
     assert report["steps"] == STEPS and (out / "model.safetensors").exists() and (out / "checkpoint.pt").exists()
+    # stage 2 ran the configured target over the responses and trained on its states
+    assert report["tune_steps"] == 30 and report["tune_tokens"] == report["tokens_by_source"]["response"]
+    assert set(report["tokens_by_source"]) == {"response", "reference", "readmes", "docstrings", "code", "source"}
+    # resuming a finished run trains nothing more: the same head comes out
+    before = (out / "model.safetensors").read_bytes()
+    again = train_head(cfg, out, opts, resume=True)
+    assert (again["steps"], again["tune_steps"]) == (STEPS, 30)
+    assert (out / "model.safetensors").read_bytes() == before
     rates = {}
     for name, head in (("trained", out), ("untrained", _untrained(model, out, tmp_path))):
         engine = Engine.from_config(_yaml(tmp_path, model, f"{{kind: head, head: {head}, k: 4}}"))
@@ -90,7 +99,7 @@ def test_training_learns(trained, tmp_path):
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime", "openvino"])
 def test_greedy_is_lossless_on_every_backend(trained, tmp_path, backend):
-    model, out, _ = trained
+    model, out = trained[:2]
     engine = Engine.from_config(_yaml(tmp_path, model, f"{{kind: head, head: {out}, k: 1}}", backend))
     drafted = accepted = 0
     for k in range(1, 9):
@@ -197,7 +206,7 @@ def test_bad_heads_fail_clearly(tiny_model_dir, tmp_path, trained):
 
 
 def test_hybrid_is_lossless_and_uses_both_drafters(trained, tmp_path):
-    model, out, _ = trained
+    model, out = trained[:2]
     engine = Engine.from_config(_yaml(tmp_path, model, f"{{kind: hybrid, head: {out}, hybrid_min_match: 3, k: 1}}"))
     hybrid = engine.drafter
     drafted = accepted = 0
@@ -211,3 +220,87 @@ def test_hybrid_is_lossless_and_uses_both_drafters(trained, tmp_path):
             drafted, accepted = drafted + spec.stats.drafted, accepted + spec.stats.accepted
     assert hybrid.picks["suffix"] > 0 and hybrid.picks["head"] > 0, hybrid.picks
     assert 0 < accepted < drafted
+
+
+def test_int8_head_loads_close_to_its_fp32_form_and_stays_lossless(trained, tmp_path):
+    """The shipped form: int8 rows with a scale each, a quarter of the bytes, the same drafts
+    within rounding, and greedy output unchanged."""
+    from safetensors import safe_open
+
+    model, out = trained[:2]
+    embed = load_model_ir(model).weights.get("model.embed_tokens.weight")
+    fp32 = EagleHead.load(out, embed)
+    fp32.save(tmp_path / "int8", int8=True)
+    with safe_open(str(tmp_path / "int8" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("midlayer.mlp.down_proj.weight").dtype == torch.int8
+        assert f.get_tensor("midlayer.mlp.down_proj.weight.scale").dtype == torch.float32
+    small = EagleHead.load(tmp_path / "int8", embed)
+    for name, w in fp32.published().items():
+        got = small.published()[name]
+        tol = w.abs().amax(-1, keepdim=True) / 127 if w.ndim == 2 else 0  # half a step per row, and slack
+        assert torch.all((got - w).abs() <= tol + 1e-7), name
+    assert (tmp_path / "int8" / "model.safetensors").stat().st_size < 0.4 * (out / "model.safetensors").stat().st_size
+    engine = Engine.from_config(_yaml(tmp_path, model, f"{{kind: head, head: {tmp_path / 'int8'}, k: 4}}"))
+    for seed, prompt in enumerate(UNSEEN[:3]):
+        ids = engine.encode(prompt)
+        assert engine.generate_ids(ids, 24).token_ids == engine.generate_ids(ids, 24, target_only=True).token_ids
+
+
+def test_int8_head_without_scales_fails_clearly(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    model, out = trained[:2]
+    EagleHead.load(out, load_model_ir(model).weights.get("model.embed_tokens.weight")).save(
+        tmp_path / "h", int8=True)
+    state = load_file(str(tmp_path / "h" / "model.safetensors"))
+    del state["fc.weight.scale"]
+    save_file(state, str(tmp_path / "h" / "model.safetensors"))
+    with pytest.raises(Exception, match="fc.weight is int8 without a scale"):
+        EagleHead.load(tmp_path / "h", load_model_ir(model).weights.get("model.embed_tokens.weight"))
+
+
+def test_store_resumes_after_a_partial_write(tmp_path):
+    """A pass stopped between a sequence's rows and its index keeps every sequence it recorded."""
+    from hetero_sd.training.store import ExampleStore
+
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(0, 99, n), rng.standard_normal((n, 6)), rng.standard_normal((n, 2))) for n in (5, 3, 7)]
+    store = ExampleStore(tmp_path, 6, 2)
+    for s in seqs[:2]:
+        store.append(*s)
+    with open(tmp_path / "features.f16", "ab") as f:  # a third sequence half written, never indexed
+        f.write(np.zeros((4, 6), np.float16).tobytes())
+    again = ExampleStore(tmp_path, 6, 2)
+    assert len(again) == 2 and again.rows == 8
+    again.append(*seqs[2])
+    for i, (tokens, feats, final) in enumerate(seqs):
+        t, f, h = again.window(i, 0, len(tokens))
+        assert (t == tokens).all() and np.allclose(f, feats, atol=2e-3) and np.allclose(h, final, atol=2e-3)
+    t, f, _ = again.window(2, 3, 4)
+    assert (t == seqs[2][0][3:]).all()
+    with pytest.raises(IndexError):
+        again.window(1, 1, 3)
+
+
+def test_packaged_head_drafts_the_embedded_model(smollm2_gguf, tmp_path):
+    """head: auto finds the head shipped for the embedded SmolLM2 when none was trained here; on
+    the serving target (onnxruntime int4, the head on onnxruntime) its drafts are accepted on
+    open prompts it never saw (about a third at the first position, 0.17 of all at k 3, where an
+    untrained head gets none), and the output is the target's."""
+    from hetero_sd.spec import default_head, packaged_head
+
+    assert not (default_head(str(smollm2_gguf)) / "config.json").exists()  # (the session's empty cache)
+    assert (packaged_head(str(smollm2_gguf)) / "model.safetensors").stat().st_size < 16 << 20
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"target: {{model: {smollm2_gguf}, backend: onnxruntime, precision: int4}}\n"
+                    "drafter: {kind: head, head: auto, backend: onnxruntime, k: 3}\n"
+                    "generation: {max_new_tokens: 32, chat_template: true}\n")
+    engine = Engine.from_config(path)
+    drafted = accepted = 0
+    for prompt in ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                   "Explain how a refrigerator keeps food cold, in simple terms."):
+        ids = engine.encode(prompt)
+        spec = engine.generate_ids(ids, 32)
+        assert spec.token_ids == engine.generate_ids(ids, 32, target_only=True).token_ids
+        drafted, accepted = drafted + spec.stats.drafted, accepted + spec.stats.accepted
+    assert accepted > 0.1 * drafted, (accepted, drafted)
