@@ -27,6 +27,23 @@ def _stdlib() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def stdlib_modules() -> list[Path]:
+    """The standard library's top-level modules of some length, sorted."""
+    return sorted(p for p in _stdlib().glob("*.py") if p.stat().st_size > 2000)
+
+
+def docstrings_of(path: Path) -> Iterator[tuple[str, str]]:
+    """(name, docstring) of a Python file's module, classes and functions."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (SyntaxError, ValueError):
+        return
+    for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]:
+        doc = ast.get_docstring(node)
+        if doc:
+            yield getattr(node, "name", path.stem), doc
+
+
 def _site() -> list[Path]:
     return [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
 
@@ -56,19 +73,13 @@ def _docstrings(rng: random.Random) -> Iterator[tuple[str, str]]:
     files = sorted(_stdlib().glob("*.py")) + sorted(p for root in _site() for p in root.glob("*/*.py"))
     rng.shuffle(files)
     for path in files:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except (SyntaxError, ValueError):
-            continue
-        for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]:
-            doc = ast.get_docstring(node)
-            if doc and 200 <= len(doc) <= 2000:
-                what = getattr(node, "name", path.stem)
+        for what, doc in docstrings_of(path):
+            if 200 <= len(doc) <= 2000:
                 yield f"Document `{what}` from {path.stem}.", doc
 
 
 def _code(rng: random.Random) -> Iterator[tuple[str, str]]:
-    files = sorted(p for p in _stdlib().glob("*.py") if p.stat().st_size > 2000)
+    files = stdlib_modules()
     rng.shuffle(files)
     for path in files:
         yield f"Write the Python module {path.stem}.py.", path.read_text(encoding="utf-8", errors="replace")

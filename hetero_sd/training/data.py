@@ -10,13 +10,12 @@ More teacher-forced text found here (prose as well as code) is in corpus.py.
 """
 from __future__ import annotations
 
-import ast
 import random
-import sysconfig
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from hetero_sd.training.corpus import docstrings_of, stdlib_modules
 
 # Topics and templates for self-distillation prompts. The benchmark prompts
 # (../shared/bench/prompts.jsonl) are held out: none of their subjects is here.
@@ -80,23 +79,9 @@ def instruction_prompts() -> list[str]:
     return prompts
 
 
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if p.stat().st_size > 2000)
-
-
 def docstrings(limit: int, seed: int = 0) -> list[str]:
     """Module and function docstrings of the standard library, 200-900 characters."""
-    found = []
-    for path in _stdlib_files():
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except SyntaxError:
-            continue
-        for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]:
-            doc = ast.get_docstring(node)
-            if doc and 200 <= len(doc) <= 900:
-                found.append(doc)
+    found = [doc for path in stdlib_modules() for _, doc in docstrings_of(path) if 200 <= len(doc) <= 900]
     random.Random(seed).shuffle(found)
     return found[:limit]
 
@@ -110,7 +95,7 @@ def grounded_prompts(limit: int, seed: int = 0) -> list[str]:
 
 def source_chunks(tokenize: Callable[[str], list[int]], limit: int, length: int, seed: int = 0) -> list[list[int]]:
     """Teacher-forced text: `limit` chunks of `length` tokens of standard-library source."""
-    files = _stdlib_files()
+    files = stdlib_modules()
     random.Random(seed).shuffle(files)
     chunks: list[list[int]] = []
     for path in files:

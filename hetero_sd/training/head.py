@@ -22,6 +22,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ def make_sequences(ref: Reference, tokenizer, chat: bool, eos: tuple[int, ...], 
             seqs += [{"kind": "response", "ids": a + o} for a, o in zip(batch, outs)]
             path.write_text(json.dumps(seqs))  # after each batch: an interrupted run keeps what it made
             bar.update(len(batch))
-    if not any(s["kind"] not in ("response",) for s in seqs):
+    if all(s["kind"] == "response" for s in seqs):
         text = lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
         for source, request, body in C.teacher_texts(opts.text_chars, opts.seed):
             seqs += [{"kind": source, "ids": ids} for ids in
@@ -184,7 +185,8 @@ def train(head: EagleHead, store: ExampleStore, lm_rows: torch.Tensor, opts: Tra
         finished = state.get("finished", False)
         _log(f"{ckpt.name}: {'finished' if finished else 'resumed'} at step {step}")
     order = np.random.default_rng(opts.seed).permutation(len(store))  # held-out: a fixed random 2%
-    held, train_ids = order[:max(1, len(store) // 50)], (order[max(1, len(store) // 50):] if len(store) > 1 else order)
+    n_held = max(1, len(store) // 50)
+    held, train_ids = order[:n_held], (order[n_held:] if len(store) > n_held else order)
     t0, budget = time.monotonic(), opts.minutes * 60
 
     def progress() -> float:  # the fraction of the run done: by steps when counted, else by time
@@ -256,7 +258,7 @@ def train_head(cfg, out: Path, opts: TrainOptions, resume: bool = False, int8: b
     draft_ids = D.draft_vocab(ids, head_cfg.draft_vocab, target_ir.config.vocab_size, eos)
     coverage = float(np.isin(np.concatenate([np.asarray(s) for s in ids]), draft_ids).mean())
     H = target_ir.config.hidden_size
-    store = make_store(lambda seq: ref.states(seq, layers), ids, (len(layers) * H, H),
+    store = make_store(partial(ref.states, feature_layers=layers), ids, (len(layers) * H, H),
                        out / "data" / f"pass-{len(layers)}", "target pass")
     ref_dtype = ref.dtype
     del ref
