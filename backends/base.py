@@ -22,6 +22,12 @@ classes and register under the `hetero_sd.backends` entry-point group.
                can_copy_prefix + copy_prefix(...)  copy one sequence's leading KV into an empty
                                                    one, bitwise what a prefill would write
                                                    (default: False)
+               serve_batches()                     said once, before the first sequence, by a caller
+                                                   that will send forward_batch calls of several
+                                                   sequences (the batching server): a runner whose
+                                                   one-sequence path rounds apart from its batched
+                                                   one takes the batched for every call from then
+                                                   on (onnxruntime, ort_backend.py); default: nothing
                close()                             free what outlives this process's memory (a
                                                    remote actor); default: nothing to free
                location                            the machine it runs on when not here
@@ -153,6 +159,9 @@ class Runner(ABC):
         from hetero_sd.ir.errors import BackendError
 
         raise BackendError(f"{self.device.backend}:{self.device.device} cannot copy KV between sequences")
+
+    def serve_batches(self) -> None:
+        """Optional: several sequences per call will follow (module docstring); before any sequence."""
 
     def close(self) -> None:
         """Optional: free what this process's exit would not (a remote actor)."""

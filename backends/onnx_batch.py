@@ -31,6 +31,8 @@ from onnx import TensorProto, helper
 from hetero_sd.backends.onnx_blocks import softcap
 
 class PoolAttention:
+    takes_qkv = False  # attend() takes roped q and the new k/v
+
     def __init__(self, b, cfg):
         self.b, self.cfg = b, cfg
         i64 = self._i64

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper
 import torch
 
 from hetero_sd.backends.onnx_batch import PoolAttention
+from hetero_sd.backends.onnx_gqa import InPlaceAttention
 from hetero_sd.backends.onnx_blocks import gated_mlp, moe, rms_norm, rope, softcap, split
 from hetero_sd.backends.onnx_weights import Builder, Linears
 from hetero_sd.ir.families.decoder import qkv_names, rope_cos_sin
@@ -53,15 +54,23 @@ def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str, ca
     return b.op("MatMul", probs, v)
 
 
+# how rows find their keys: one sequence's slab, several gathered from the pool
+# (onnx_batch.py), onnxruntime's attention op on one slab in place (onnx_gqa.py)
+ATTENTION = ("slab", "pool", "inplace")
+
+
 def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None,
-                     batched: bool = False) -> onnx.ModelProto:
+                     attention: str = "slab") -> onnx.ModelProto:
     """The graph with weights in `precision` (onnx_weights.py). With `path`, the
     weights stream to `path.parent / weights.bin` one tensor at a time and the
-    model is saved at `path`; without, they stay inside the returned proto."""
+    model is saved at `path`; without, they stay inside the returned proto.
+    attention: how rows find their keys (ATTENTION)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}: one of {ATTENTION}")
     model.check_weights()
     b = Builder(path.parent / DATA_FILE if path is not None else None)
     try:
-        proto = _build(model, b, Linears(b, model.weights, precision), progress, batched)
+        proto = _build(model, b, Linears(b, model.weights, precision), progress, attention)
     finally:
         b.close()
     if path is not None:
@@ -79,14 +88,16 @@ def _rope_tables(b: Builder, cfg, q_pos: str, local: bool) -> tuple[str, str]:
                  for t, name in ((cos, "cos"), (sin, "sin")))
 
 
-def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool = False) -> onnx.ModelProto:
+def _build(model: ModelIR, b: Builder, linear: Linears, progress, attention: str) -> onnx.ModelProto:
     cfg = model.config
     weights = _FloatWeights(model)  # norms and biases: small, read as floats
-    # How rows find their keys: one sequence's slab (below), or several
-    # sequences gathered from the whole pool (onnx_batch.py). Everything else
-    # is the same graph, so a row rounds alike in both.
-    kv = PoolAttention(b, cfg) if batched else SlabAttention(b, cfg)
-    ropes = {local: _rope_tables(b, cfg, kv.q_pos, local) for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}}
+    # How rows find their keys: one sequence's slab (below), several
+    # sequences gathered from the whole pool (onnx_batch.py), or onnxruntime's
+    # attention op on one slab in place (onnx_gqa.py). Everything else is the
+    # same graph, so a row rounds alike in the first two.
+    kv = {"slab": SlabAttention, "pool": PoolAttention, "inplace": InPlaceAttention}[attention](b, cfg)
+    ropes = {} if kv.takes_qkv else {
+        local: _rope_tables(b, cfg, kv.q_pos, local) for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}}
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
 
     x = b.op("Gather", linear.embedding("model.embed_tokens.weight"), "input_ids", axis=0)
@@ -96,12 +107,14 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool 
     for i in range(cfg.num_layers):
         if progress is not None:
             progress(i, cfg.num_layers, f"layer {i}")
-        x = _layer(b, cfg, linear, weights, kv, ropes[cfg.local_rope(i)], new_kv, i, x)
+        x = _layer(b, cfg, linear, weights, kv, ropes.get(cfg.local_rope(i)), new_kv, i, x)
         if i in cfg.feature_layers:
             captured[i] = x
 
-    stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
-    b.op("Concat", *[b.op("Unsqueeze", kv_, b.const([0], dtype=np.int64)) for kv_ in stacked], axis=0, out="new_kv")
+    if not kv.takes_qkv:  # (the in-place op writes its own rows)
+        stacked = [b.op("Concat", *new_kv[n], axis=0) for n in "kv"]  # [layers, Hkv, T, D]
+        b.op("Concat", *[b.op("Unsqueeze", kv_, b.const([0], dtype=np.int64)) for kv_ in stacked], axis=0,
+             out="new_kv")
 
     x = rms_norm(b, kv.logit_rows(x), weights["model.norm.weight"], cfg.rms_norm_eps)
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -112,7 +125,7 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress, batched: bool 
              out="logits")
     if cfg.feature_layers:
         b.op("Concat", *[captured[i] for i in cfg.feature_layers], axis=-1, out="features")
-    return _make_model(b, cfg, kv.inputs())
+    return _make_model(b, cfg, kv)
 
 
 def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: dict, i: int, x: str) -> str:
@@ -126,7 +139,11 @@ def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: di
     # model; every output column still reduces over the same inputs.
     fused_bias = np.concatenate([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) \
         if cfg.attention_bias else None
-    q, k, v = split(b, linear(h, qkv_names(cfg, p), fused_bias), [H * D, Hkv * D, Hkv * D])
+    qkv = linear(h, qkv_names(cfg, p), fused_bias)
+    if kv.takes_qkv:
+        norms = [weights[p + f"self_attn.{n}_norm.weight"] for n in "qk"] if cfg.qk_norm else [None, None]
+        return _mlp_half(b, cfg, linear, weights, i, x, kv.attend_qkv(i, qkv, *norms))
+    q, k, v = split(b, qkv, [H * D, Hkv * D, Hkv * D])
     # q, k and v as [1, heads, T, D]: the layout OpenVINO's RoPE kernel
     # takes (transpose folded in) and the slab's, so new rows scatter as they are.
     q, k, v = (b.op("Transpose", b.op("Reshape", t, i64(1, -1, c, D)), perm=[0, 2, 1, 3])
@@ -146,7 +163,14 @@ def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: di
         q = b.op("Mul", q, scale)
     new_kv["k"].append(k)
     new_kv["v"].append(v)
-    out = linear(kv.attend(i, q, k, v), [p + "self_attn.o_proj.weight"])  # attend -> [T, H*D]
+    return _mlp_half(b, cfg, linear, weights, i, x, kv.attend(i, q, k, v))  # attend -> [T, H*D]
+
+
+def _mlp_half(b: Builder, cfg, linear: Linears, weights, i: int, x: str, att: str) -> str:
+    """The layer from its attention's output [T, H*D] on: o_proj, residuals, norms, MLP."""
+    p = f"model.layers.{i}."
+    norm = lambda v, name: rms_norm(b, v, weights[p + name], cfg.rms_norm_eps)  # noqa: E731
+    out = linear(att, [p + "self_attn.o_proj.weight"])
     if cfg.sandwich_norms:
         x = b.op("Add", x, norm(out, "post_attention_layernorm.weight"))
         h = norm(x, "pre_feedforward_layernorm.weight")
@@ -161,6 +185,8 @@ def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: di
 
 class SlabAttention:
     """One sequence: its slab's per-layer views are the past inputs."""
+
+    takes_qkv = False  # attend() takes roped q and the new k/v
 
     def __init__(self, b: Builder, cfg):
         self.b, self.cfg = b, cfg
@@ -230,13 +256,17 @@ class _FloatWeights:
         return self._source.get(name).numpy()
 
 
-def _make_model(b: Builder, cfg, inputs: list) -> onnx.ModelProto:
+def _make_model(b: Builder, cfg, kv) -> onnx.ModelProto:
     f = TensorProto.FLOAT
-    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.logits_vocab]),
-               helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T", cfg.head_dim])]
+    outputs = [helper.make_tensor_value_info("logits", f, ["N", cfg.logits_vocab])]
+    if not kv.takes_qkv:
+        outputs.append(helper.make_tensor_value_info("new_kv", f, [2, cfg.num_layers, cfg.num_kv_heads, "T",
+                                                                   cfg.head_dim]))
     if cfg.feature_layers:
         outputs.append(helper.make_tensor_value_info("features", f, ["T", len(cfg.feature_layers) * cfg.hidden_size]))
-    graph = helper.make_graph(b.nodes, "hetero_sd_llama", inputs, outputs, b.inits)
+    if kv.takes_qkv:
+        outputs += kv.outputs()
+    graph = helper.make_graph(b.nodes, "hetero_sd_llama", kv.inputs(), outputs, b.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                    helper.make_opsetid("com.microsoft", 1)],
                              producer_name="hetero-sd")

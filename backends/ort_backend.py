@@ -14,9 +14,12 @@ from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, Precisio
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
+from hetero_sd.backends.ort_inplace import InPlaceGraph
+from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
 
 _PROVIDERS = {"CUDAExecutionProvider": "cuda", "CANNExecutionProvider": "npu"}
+_QUANTIZED = ("int8", "int4", "gguf")  # MatMulNBits precisions: one-token calls checked (row_check.py)
 _EXACT = "MLAS kernels are row-invariant (tested)"
 GGUF_NOTE = ("a GGUF's own blocks, bit-exact: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as "
              "8-bit MatMulNBits, block minimums as their own matmul; F16/BF16 and other types as fp32")
@@ -73,18 +76,21 @@ def session_options(threads: int):
     return opts
 
 
-def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = False):
+def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = "slab"):
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
-    batched: the graph for several sequences per call (onnx_batch.py)."""
+    attention: "slab" (one sequence), "pool" (several per call, onnx_batch.py)
+    or "inplace" (onnxruntime's attention op on the slab, onnx_gqa.py)."""
     from importlib.metadata import version
 
     import onnxruntime as ort
 
     cfg = model.config
     extra = {"head": cfg.output_vocab} if cfg.output_vocab else {}
-    if batched:
+    if attention == "pool":
         extra["batched"] = 1
+    elif attention != "slab":
+        extra["attention"] = attention
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
@@ -92,9 +98,9 @@ def export_onnx(model: ModelIR, precision: str, progress=None, batched: bool = F
 
     def build(path):
         if progress is not None:
-            progress(0, 0, f"lowering to ONNX{' (batched graph)' if batched else ''}, {precision} weights "
-                           "(once; cached)")
-        build_llama_onnx(model, precision, path, progress, batched=batched)
+            kind = {"pool": " (batched graph)", "inplace": " (in-place attention)"}.get(attention, "")
+            progress(0, 0, f"lowering to ONNX{kind}, {precision} weights (once; cached)")
+        build_llama_onnx(model, precision, path, progress, attention=attention)
 
     return cached(folder, "model.onnx", build)
 
@@ -108,24 +114,62 @@ def build_llama_onnx(*args, **kwargs):
 
 
 class OrtRunner(GraphRunner):
-    """Every call, one sequence or several, runs the batched graph (onnx_batch.py):
-    one session and one copy of the weights, and a row rounds alike alone or in
-    any batch because it is the same graph (measured as fast as the one-sequence
-    graph for one sequence)."""
+    """Two graphs, one session at a time. On the CPU a sequence runs alone in the
+    in-place graph (onnx_gqa.py: the attention op reads and writes its slab
+    where it lies; ~20% faster a step on SmolLM2 than gathering windows), until
+    a caller says it will batch (serve_batches): then every call, one sequence
+    or several, runs the batched graph (onnx_batch.py), where a row rounds
+    alike alone or in any batch because it is the same graph. Both are exact
+    (a row rounds alike in a one-token call and inside any verify); they round
+    apart from each other (the attention op sums in another order), so a
+    runner never mixes them. Other providers run the batched graph only."""
 
-    max_batch = 32  # sequences per call (a server's running set is split above it)
     can_copy_prefix = True  # every row is row-invariant: copied KV is what a prefill writes
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  progress=None):
-        super().__init__(model, info, precision, kv_budget_bytes,
-                         pad_single_row=precision.name in ("int8", "int4", "gguf"))
+        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
+        self._inplace: InPlaceGraph | None = None
+        self._progress = progress
+        self._load("inplace" if info.device == "cpu" else "pool")
+
+    def _load(self, attention: str) -> None:
         import onnxruntime as ort
 
-        path = export_onnx(model, precision.name, progress, batched=True)
+        path = export_onnx(self._model, self.precision.name, self._progress, attention=attention)
         self._session = self._open(path)
         self._outputs = [o.name for o in self._session.get_outputs()]
+        self._inplace = InPlaceGraph(self._session, self._layers, bool(self.feature_layers)) \
+            if attention == "inplace" else None
+        # sequences per call: the batched graph takes a server's running set (split above this)
+        self.max_batch = 1 if self._inplace else 32
+        self.kernel_choice = ""
+        self._pad_single_row = self.precision.name in _QUANTIZED  # each graph is checked on its own
         self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}")
+        graph = "in-place attention, one sequence a call" if self._inplace else "batched graph"
+        self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
+
+    def serve_batches(self) -> None:
+        """Switch to the batched graph for good (before any sequence: the two round apart)."""
+        if self._inplace is None:
+            return
+        if self._slabs:
+            raise BackendError(f"{self.device.backend}:{self.device.device}: serve_batches() with "
+                               f"{len(self._slabs)} live sequences (call it before the first)")
+        self._session = self._inplace = None
+        self._load("pool")
+
+    def allocate(self, capacity: int) -> int:
+        # the in-place graph's attention writes one row past a one-token call (onnx_gqa.py)
+        seq = super().allocate(capacity + (self._inplace is not None))
+        if self._inplace is not None:
+            self._inplace.bind(seq, self._slabs[seq])
+        return seq
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        if self._inplace is not None:
+            self._inplace.release(seq_id)
 
     def _open(self, path):
         import onnxruntime as ort
@@ -136,7 +180,31 @@ class OrtRunner(GraphRunner):
         return ort.InferenceSession(str(path), opts, providers=[provider])
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
-        return self.forward_batch([BatchItem(seq_id, tokens, start, num_logits)])[0]
+        if self._inplace is None:
+            return self.forward_batch([BatchItem(seq_id, tokens, start, num_logits)])[0]
+        n = len(tokens)
+        self._features.pop(seq_id, None)
+        # (one row padded to two where the row check says the matmuls need it, row_check.py)
+        pad = self._pad_single_row and n == 1
+        with self._alloc.writing(seq_id, start, n) as ext:
+            logits, features = self._inplace.run(seq_id, list(tokens) * 2 if pad else tokens, start,
+                                                 num_logits + pad, ext.reserved)
+        if features is not None:
+            self._features[seq_id] = features[:n]
+        return logits[:num_logits]
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
+        if self._inplace is None:
+            return super().forward_batch(items)
+        out = []  # one sequence a call (max_batch 1); a failed call leaves every length where it was
+        try:
+            for it in items:
+                out.append(self.forward(it.seq_id, it.tokens, it.start, it.num_logits))
+        except BaseException:
+            for it in items[:len(out)]:
+                self.truncate(it.seq_id, it.start)
+            raise
+        return out
 
     def _infer_batch(self, feeds: dict) -> list:
         return self._session.run(self._outputs, feeds)

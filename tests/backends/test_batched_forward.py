@@ -24,8 +24,12 @@ CASES = [("torch", "fp32", "llama"), ("torch", "fp32", "mistral-swa"),
          ("onnxruntime", "fp32", "qwen3")]
 
 
-def _load(backend, folder, precision):
-    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 8 << 20)
+def _load(backend, folder, precision, batches=True):
+    """batches: told it will batch (Runner.serve_batches), as the server does."""
+    runner = REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 8 << 20)
+    if batches:
+        runner.serve_batches()
+    return runner
 
 
 def _batch(runner, rng, trial):
@@ -68,10 +72,12 @@ def test_batched_rows_equal_solo_rows_bitwise(tiny_model_dir, backend, precision
             runner.release(it.seq_id)
 
 
-def test_failed_batch_claims_no_position(tiny_model_dir):
+@pytest.mark.parametrize("batches", [True, False])
+def test_failed_batch_claims_no_position(tiny_model_dir, batches):
     """A batch that cannot write (one sequence past its reservation) leaves every
-    sequence's length where it was."""
-    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32")
+    sequence's length where it was: in the batched graph, and in the in-place
+    one, which runs the sequences one by one."""
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32", batches)
     a, b = runner.allocate(40), runner.allocate(8)
     runner.forward(a, [1, 2, 3], 0, 1)
     runner.forward(b, [1, 2, 3], 0, 1)
@@ -104,12 +110,12 @@ def test_run_batch_falls_back_to_one_call_per_sequence():
     assert [o.shape for o in out] == [(1, 4), (2, 4)] and out[1][0, 0] == 9.0
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, precision):
+@pytest.mark.parametrize("precision,batches", [("fp32", True), ("int4", True), ("int4", False)])
+def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, precision, batches):
     """onnxruntime's copy_prefix: a sequence given another's first L positions, then
     prefilled from L, scores exactly as one that prefilled the whole prompt (what
-    makes the server's prefix cache exact)."""
-    runner = _load("onnxruntime", tiny_model_dir("llama"), precision)
+    makes the server's prefix cache exact), in either graph."""
+    runner = _load("onnxruntime", tiny_model_dir("llama"), precision, batches)
     prompt, cont = random_prompt(37, seed=4), random_prompt(6, seed=5)
     whole = runner.allocate(64)
     want = runner.forward(whole, prompt, 0, 1)

@@ -17,12 +17,15 @@ QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4
 CONTEXTS = (3, 12, 40)
 
 
-def _load(backend, folder, precision, monkeypatch, pad: str | None):
+def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: bool = False):
     if pad is None:
         monkeypatch.delenv(row_check.ENV, raising=False)
     else:
         monkeypatch.setenv(row_check.ENV, pad)
-    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20)
+    runner = REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20)
+    if batches:  # onnxruntime's batched graph, checked on its own
+        runner.serve_batches()
+    return runner
 
 
 def _invariant(runner, contexts=CONTEXTS, widths=range(1, 17)) -> list[tuple[int, int]]:
@@ -52,6 +55,15 @@ def test_one_row_decode_equals_every_verify_row(tiny_model_dir, monkeypatch, bac
     assert _invariant(runner) == []
 
 
+@pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_one_row_decode_equals_every_verify_row_in_the_batched_graph(tiny_model_dir, monkeypatch, precision, pad):
+    """The same for onnxruntime's batched graph (the server's): its own verdict, its own rows."""
+    runner = _load("onnxruntime", tiny_model_dir("qwen2"), precision, monkeypatch, pad, batches=True)
+    assert runner.kernel_choice.startswith("batched graph")
+    assert _invariant(runner) == []
+
+
 @pytest.mark.parametrize("backend,precision", QUANTIZED)
 def test_the_verdict_is_what_an_unpadded_run_shows(tiny_model_dir, monkeypatch, backend, precision):
     """The check's verdict against an independent comparison of unpadded one-row calls
@@ -78,7 +90,7 @@ def test_the_verdict_is_cached_per_host_and_rechecked_on_another(tiny_model_dir,
     monkeypatch.setattr("hetero_sd.backends.graph_runner.host_signature", row_check.host_signature)
     assert "(checked" in _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None).kernel_choice
     forced = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
-    assert forced.kernel_choice == "one-token calls padded to two rows (HETERO_SD_PAD_SINGLE_ROW=1)"
+    assert forced.kernel_choice.endswith("one-token calls padded to two rows (HETERO_SD_PAD_SINGLE_ROW=1)")
 
 
 class _RoundsApart:
