@@ -139,7 +139,8 @@ class OrtRunner(GraphRunner):
         path = export_onnx(self._model, self.precision.name, self._progress, attention=attention)
         self._session = self._open(path)
         self._outputs = [o.name for o in self._session.get_outputs()]
-        self._inplace = InPlaceGraph(self._session, self._layers, bool(self.feature_layers)) \
+        features = len(self.feature_layers) * self._model.config.hidden_size
+        self._inplace = InPlaceGraph(self._session, self._layers, self.vocab_size, features) \
             if attention == "inplace" else None
         # sequences per call: the batched graph takes a server's running set (split above this)
         self.max_batch = 1 if self._inplace else 32

@@ -12,18 +12,22 @@ import numpy as np
 from hetero_sd.ir.errors import KVBudgetError
 
 
+KEPT_ROWS = 32  # output buffers of up to this many rows are kept for the next call
+
+
 class InPlaceGraph:
-    def __init__(self, session, num_layers: int, has_features: bool):
-        self._session, self._layers, self._has_features = session, num_layers, has_features
+    def __init__(self, session, num_layers: int, vocab: int, features: int):
+        """features: the width of the features output (0: the graph has none)."""
+        self._session, self._layers = session, num_layers
+        self._widths = {"logits": vocab, **({"features": features} if features else {})}
         self._bindings: dict[int, object] = {}
+        # output buffers by name and row count, bound per call: reading outputs back
+        # through the binding would wrap every present_* output too (~0.13 ms a call)
+        self._buffers: dict[tuple[str, int], np.ndarray] = {}
 
     def bind(self, seq_id: int, slab: np.ndarray) -> None:
         """slab [2, layers, Hkv, R, D], the sequence's memory for as long as it lives."""
         io = self._session.io_binding()
-        # logits (and features) first: run() reads outputs by this order
-        io.bind_output("logits")
-        if self._has_features:
-            io.bind_output("features")
         shape = [1, *slab.shape[2:]]
         for j, n in enumerate("kv"):
             for i in range(self._layers):
@@ -49,12 +53,16 @@ class InPlaceGraph:
         io.bind_cpu_input("seqlens_k", np.array([start + rows - 1], dtype=np.int32))
         io.bind_cpu_input("total_len", np.array(start + rows, dtype=np.int32))
         io.bind_cpu_input("num_logits", np.array(num_logits, dtype=np.int64))
-        # rebound unallocated each call (a kept one would be taken as pre-allocated, of last call's shape);
-        # a name bound again keeps its place among the outputs
-        io.bind_output("logits")
-        if self._has_features:
-            io.bind_output("features")
+        outs = {name: self._buffer(io, name, num_logits if name == "logits" else n) for name in self._widths}
         self._session.run_with_iobinding(io)
-        outs = io.get_outputs()
-        logits = np.array(outs[0].numpy())  # copies: the binding's buffers are reused
-        return logits, (np.array(outs[1].numpy()) if self._has_features else None)
+        # copies: the buffers serve the next call
+        return outs["logits"].copy(), (outs["features"].copy() if "features" in outs else None)
+
+    def _buffer(self, io, name: str, rows: int) -> np.ndarray:
+        buf = self._buffers.get((name, rows))
+        if buf is None:
+            buf = np.empty((rows, self._widths[name]), dtype=np.float32)
+            if rows <= KEPT_ROWS:  # (a long prefill's rows are not kept)
+                self._buffers[name, rows] = buf
+        io.bind_output(name, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+        return buf

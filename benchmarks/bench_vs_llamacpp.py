@@ -44,7 +44,7 @@ def load_target(model: Path, placement: str, padded: bool):
     from hetero_sd.loading import Loader
     from hetero_sd.drafting.specs import ModelSpec
 
-    backend, device, precision = placement.split(":")
+    backend, device, precision, *graph = placement.split(":")
     before = os.environ.get(ENV)
     if padded:
         os.environ[ENV] = "1"
@@ -55,6 +55,8 @@ def load_target(model: Path, placement: str, padded: bool):
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = before
+    if graph == ["batched"]:  # the server's graph (Runner.serve_batches)
+        runner.serve_batches()
     ir = load_model_ir(model)
     tok = ir.load_tokenizer()
     # no eos_ids: every run makes exactly the tokens asked for, as llama-bench does
@@ -171,8 +173,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llamacpp-bin", type=Path, required=True, help="folder with llama-bench (docs/benchmarks.md)")
     p.add_argument("--model", default="default", help="a .gguf, a catalog name, or default (SmolLM2)")
-    p.add_argument("--target", action="append", help="backend:device:precision (repeatable; default "
-                                                     "onnxruntime:cpu:int4)")
+    p.add_argument("--target", action="append", help="backend:device:precision[:batched] (repeatable; "
+                   "default onnxruntime:cpu:int4; :batched runs the server's graph, Runner.serve_batches)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill", type=int, default=512)

@@ -134,3 +134,23 @@ def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, precision,
         runner.release(seq)
     with pytest.raises(ValueError, match="holds"):
         runner.copy_prefix(donor, runner.allocate(64), 40)
+
+
+def test_serve_batches_switches_onnxruntime_to_its_batched_graph_before_any_sequence(tiny_model_dir):
+    """onnxruntime on the CPU starts in its in-place graph (one sequence a call) and
+    takes the batched graph for good when told, only while no sequence lives (the
+    two graphs round apart, so a sequence never crosses from one to the other)."""
+    from hetero_sd.errors import BackendError
+
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32", batches=False)
+    assert runner.max_batch == 1 and runner.kernel_choice.startswith("in-place attention")
+    seq = runner.allocate(40)
+    with pytest.raises(BackendError, match="1 live sequences"):
+        runner.serve_batches()
+    runner.release(seq)
+    runner.serve_batches()
+    assert runner.max_batch == 32 and runner.kernel_choice.startswith("batched graph")
+    runner.serve_batches()  # said again: nothing changes
+    assert runner.max_batch == 32
+    seq = runner.allocate(40)
+    assert runner.forward(seq, random_prompt(9, seed=2), 0, 1).shape == (1, runner.vocab_size)
