@@ -142,7 +142,7 @@ def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: di
     qkv = linear(h, qkv_names(cfg, p), fused_bias)
     if kv.takes_qkv:
         norms = [weights[p + f"self_attn.{n}_norm.weight"] for n in "qk"] if cfg.qk_norm else [None, None]
-        return _mlp_half(b, cfg, linear, weights, i, x, kv.attend_qkv(i, qkv, *norms))
+        return _mlp_half(b, cfg, linear, weights, i, x, kv.attend_qkv(i, qkv, *norms), fused_norms=True)
     q, k, v = split(b, qkv, [H * D, Hkv * D, Hkv * D])
     # q, k and v as [1, heads, T, D]: the layout OpenVINO's RoPE kernel
     # takes (transpose folded in) and the slab's, so new rows scatter as they are.
@@ -166,7 +166,8 @@ def _layer(b: Builder, cfg, linear: Linears, weights, kv, rope_table, new_kv: di
     return _mlp_half(b, cfg, linear, weights, i, x, kv.attend(i, q, k, v))  # attend -> [T, H*D]
 
 
-def _mlp_half(b: Builder, cfg, linear: Linears, weights, i: int, x: str, att: str) -> str:
+def _mlp_half(b: Builder, cfg, linear: Linears, weights, i: int, x: str, att: str, fused_norms: bool = False
+              ) -> str:
     """The layer from its attention's output [T, H*D] on: o_proj, residuals, norms, MLP."""
     p = f"model.layers.{i}."
     norm = lambda v, name: rms_norm(b, v, weights[p + name], cfg.rms_norm_eps)  # noqa: E731
@@ -174,6 +175,12 @@ def _mlp_half(b: Builder, cfg, linear: Linears, weights, i: int, x: str, att: st
     if cfg.sandwich_norms:
         x = b.op("Add", x, norm(out, "post_attention_layernorm.weight"))
         h = norm(x, "pre_feedforward_layernorm.weight")
+    elif fused_norms:  # the residual add and the norm as one op (onnxruntime's contrib op)
+        h, summed = b.name("h"), b.name("x")
+        b.nodes.append(helper.make_node(
+            "SkipSimplifiedLayerNormalization", [x, out, b.const(weights[p + "post_attention_layernorm.weight"], "norm")],
+            [h, "", "", summed], name=h, domain="com.microsoft", epsilon=float(cfg.rms_norm_eps)))
+        x = summed
     else:
         x = b.op("Add", x, out)
         h = norm(x, "post_attention_layernorm.weight")

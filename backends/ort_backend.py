@@ -60,6 +60,18 @@ class OrtBackend:
         return OrtRunner(model, info, prec, kv_budget_bytes, progress)
 
 
+INPLACE_SINCE = (1, 32)  # the attention op's semantics the in-place graph relies on, as tested
+
+
+def _inplace_tested() -> bool:
+    """Whether this onnxruntime is one the in-place graph was tested on: the attention
+    op's cache modes and window semantics changed across releases, so an older one
+    runs the batched graph for every call (exact there too)."""
+    import onnxruntime as ort
+
+    return tuple(int(p) for p in ort.__version__.split(".")[:2]) >= INPLACE_SINCE
+
+
 def session_options(threads: int):
     """Options of every session this backend opens. Its threads spin while a run is
     under way (waking them per op costs) but stop when the run returns: a draft
@@ -131,7 +143,7 @@ class OrtRunner(GraphRunner):
         super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
         self._inplace: InPlaceGraph | None = None
         self._progress = progress
-        self._load("inplace" if info.device == "cpu" else "pool")
+        self._load("inplace" if info.device == "cpu" and _inplace_tested() else "pool")
 
     def _load(self, attention: str) -> None:
         import onnxruntime as ort

@@ -154,3 +154,17 @@ def test_serve_batches_switches_onnxruntime_to_its_batched_graph_before_any_sequ
     assert runner.max_batch == 32
     seq = runner.allocate(40)
     assert runner.forward(seq, random_prompt(9, seed=2), 0, 1).shape == (1, runner.vocab_size)
+
+
+def test_an_onnxruntime_older_than_the_in_place_graph_runs_the_batched_one(tiny_model_dir, monkeypatch):
+    """The attention op's semantics changed across releases: before the tested one
+    (INPLACE_SINCE) every call runs the batched graph, exact there too."""
+    import onnxruntime
+
+    from hetero_sd.backends import ort_backend
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.31.1")
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", batches=False)
+    assert runner.max_batch == 32 and runner.kernel_choice.startswith("batched graph")
+    monkeypatch.setattr(onnxruntime, "__version__", ".".join(map(str, ort_backend.INPLACE_SINCE)) + ".0")
+    assert _load("onnxruntime", tiny_model_dir("llama"), "int4", batches=False).max_batch == 1
