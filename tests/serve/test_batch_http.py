@@ -52,6 +52,7 @@ async def _all(url: str, requests):
 
 def _check_solo(config: str, requests, got) -> None:
     solo = Engine.from_config(config, target_only=True)
+    solo.target_runner.serve_batches()  # alone on the server's graph (onnxruntime's batched one)
     for (prompt, max_tokens, _), (text, n_tokens) in zip(requests, got):
         want = solo.generate_ids(prompt, max_tokens, target_only=True)
         assert (text, n_tokens) == (want.text, len(want.token_ids)), f"prompt of {len(prompt)} tokens"
