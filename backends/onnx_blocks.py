@@ -23,6 +23,13 @@ def split(b, x: str, sizes: list[int], axis: int = -1) -> list[str]:
     return outs
 
 
+def last_rows(b, x: str, T: str, count: str) -> str:
+    """Rows [T - count, T) of x: T the shape [1] of the call's rows, count an int64 scalar input."""
+    one = b.const([1], dtype=np.int64)
+    start = b.op("Sub", T, b.op("Reshape", count, one))
+    return b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", T), one), b.const([0], dtype=np.int64))
+
+
 def rope(b, x: str, cos: str, sin: str, rot: int, head_dim: int) -> str:
     """x [1, heads, T, D] * cos + rotate_half(x) * sin on its first `rot`
     values, cos/sin [1, 1, T, rot]. Written as OpenVINO's GPT-NeoX RoPE pattern

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from hetero_sd.backends.onnx_blocks import rms_norm, rope, split
+from hetero_sd.backends.onnx_blocks import last_rows, rms_norm, rope, split
 
 
 def native_rope(cfg) -> bool:
@@ -65,14 +65,15 @@ def _own_rope(b, cfg, x: str, heads: int, cos: str, sin: str, positions: str) ->
     return b.op("Reshape", b.op("Transpose", x, perm=[0, 2, 1, 3]), i64(1, -1, heads * D))
 
 
-def _gqa(b, cfg, caches: dict, i: int, rows: str, norms: tuple, positions: str) -> str:
+def _gqa(b, cfg, caches: dict, i: int, rows: str, norms: tuple, positions: str | None) -> str:
     """GroupQueryAttention over the attention rows [1, S, (H + 2 Hkv) D] (S >= 2)
-    at `positions` [S] (used where the graph ropes), the layer's slab as past and
+    at `positions` [S] (given where the graph ropes), the layer's slab as past and
     present -> [S, H*D]."""
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     i64 = lambda *v: b.const(list(v), dtype=np.int64)  # noqa: E731
     q_norm, k_norm = norms
     roped, native = cfg.uses_rope(i), native_rope(cfg)
+    op_ropes = roped and native
     cos, sin = caches[cfg.local_rope(i)] if roped else ("", "")
     if q_norm is not None or (roped and not native):
         q, k, v = split(b, rows, [H * D, Hkv * D, Hkv * D])
@@ -84,7 +85,6 @@ def _gqa(b, cfg, caches: dict, i: int, rows: str, norms: tuple, positions: str) 
         qkv_in = [q, k, v]
     else:
         qkv_in = [rows, "", ""]  # packed q/k/v: the op splits it
-    op_ropes = roped and native
     if not op_ropes:
         cos = sin = ""
     attrs = {"num_heads": H, "kv_num_heads": Hkv, "scale": float(cfg.attention_scale),
@@ -110,10 +110,11 @@ class InPlaceAttention:
         self.b, self.cfg = b, cfg
         self.T = b.op("Shape", "input_ids")
         self.caches = _rope_caches(b, cfg)
-        # the attention rows' positions, past_len .. past_len + S - 1 (for the graph's own RoPE)
-        total = b.op("Cast", "total_len", to=TensorProto.INT64)
-        self.positions = b.op("Range", b.op("Sub", total, b.op("Squeeze", b.op("Shape", "att_rows"))), total,
-                              b.const(np.int64(1)))
+        self.positions = None  # the attention rows' positions, past_len .. past_len + S - 1: for our own RoPE
+        if not native_rope(cfg):
+            total = b.op("Cast", "total_len", to=TensorProto.INT64)
+            self.positions = b.op("Range", b.op("Sub", total, b.op("Squeeze", b.op("Shape", "att_rows"))), total,
+                                  b.const(np.int64(1)))
 
     def _i64(self, *v):
         return self.b.const(list(v), dtype=np.int64)
@@ -126,9 +127,7 @@ class InPlaceAttention:
         return b.op("Slice", att, i64(0), b.op("Reshape", b.op("Squeeze", self.T), i64(1)), i64(0))
 
     def logit_rows(self, x: str) -> str:
-        b, i64 = self.b, self._i64
-        start = b.op("Sub", self.T, b.op("Reshape", "num_logits", i64(1)))
-        return b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", self.T), i64(1)), i64(0))
+        return last_rows(self.b, x, self.T, "num_logits")
 
     def _slab(self, name: str):
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, self.cfg.num_kv_heads, "R", self.cfg.head_dim])

@@ -36,7 +36,7 @@ import torch
 
 from hetero_sd.backends.onnx_batch import PoolAttention
 from hetero_sd.backends.onnx_gqa import InPlaceAttention
-from hetero_sd.backends.onnx_blocks import gated_mlp, moe, rms_norm, rope, softcap, split
+from hetero_sd.backends.onnx_blocks import gated_mlp, last_rows, moe, rms_norm, rope, softcap, split
 from hetero_sd.backends.onnx_weights import Builder, Linears
 from hetero_sd.ir.families.decoder import qkv_names, rope_cos_sin
 from hetero_sd.ir.model import ModelIR
@@ -236,9 +236,7 @@ class SlabAttention:
         return b.op("Reshape", b.op("Transpose", att, perm=[1, 0, 2]), i64(-1, H * D))
 
     def logit_rows(self, x: str) -> str:
-        b, i64 = self.b, self._i64
-        start = b.op("Sub", self.T, b.op("Reshape", "num_logits", i64(1)))
-        return b.op("Slice", x, start, b.op("Reshape", b.op("Squeeze", self.T), i64(1)), i64(0))
+        return last_rows(self.b, x, self.T, "num_logits")
 
     def inputs(self) -> list:
         cfg = self.cfg
