@@ -174,7 +174,9 @@ class Request:
         k = min(self.policy.next_k(remaining), room) if speculating else 0
         if k == 0 and speculating and alone and min(remaining, room) > 0 and self._free_row():
             k = 1  # the padded call computes a second row anyway: a lookup's draft rides in it
-        drafts, draft_probs, draft_s = self._draft(k) if k > 0 else ([], None, None)
+        # the first draft's row is free in a padded call: proposed even where the drafter is unsure
+        free = 1 if alone and self._padded_greedy() else 0
+        drafts, draft_probs, draft_s = self._draft(k, free) if k > 0 else ([], None, None)
         if self.constrainer is not None:
             self.constrainer.prepare(drafts)
         self._step = VerifyRequest(self.seq, self.pos, [self.history.ids[-1]] + drafts, draft_probs)
@@ -185,7 +187,10 @@ class Request:
         """Whether a one-token draft rides free: the target pads a one-token call to two
         rows anyway, the drafter is a lookup, and the request is greedy (a seeded sample's
         draft lengths follow its acceptance alone, whatever runs beside it)."""
-        return self.greedy and self.target.pads_single_row and self.drafter.model_free
+        return self._padded_greedy() and self.drafter.model_free
+
+    def _padded_greedy(self) -> bool:
+        return self.greedy and self.target.pads_single_row
 
     def score(self, step: VerifyRequest):
         """The target alone scores the step's rows (greedy ids, or float64
@@ -274,10 +279,10 @@ class Request:
         else:
             self.features.append(got[:rows])
 
-    def _draft(self, k: int):
-        """(drafts, their distributions or None, seconds)."""
+    def _draft(self, k: int, free: int = 0):
+        """(drafts, their distributions or None, seconds); `free`: DraftRequest.free_rows."""
         ids = self.history.ids
-        req = DraftRequest(self.seq, self.told, k, ids[self.told:], context=ids)
+        req = DraftRequest(self.seq, self.told, k, ids[self.told:], context=ids, free_rows=free)
         if self.features:
             req.features = self.features[0] if len(self.features) == 1 else np.concatenate(self.features)
             self.features.clear()

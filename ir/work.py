@@ -116,6 +116,10 @@ class DraftRequest(_Record):
     # Sequence[int], read-only: base_len + len(new_tokens) tokens, the context to
     # draft after. In-process only; a drafter sent only the delta rebuilds it (Drafter.context_for).
     context: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
+    # The first free_rows drafts ride in rows the target computes anyway (a one-token
+    # call padded to two rows, backends/row_check.py): a drafter proposes them even
+    # where it is unsure (a min_prob does not apply to them). In-process only.
+    free_rows: int = field(default=0, kw_only=True, compare=False, metadata={"wire": False})
 
 
 @dataclass

@@ -196,15 +196,17 @@ class CrossVocabDrafter(Drafter):
             return DraftResult(req.seq_id, [], None)
         feed = sync_cache(self.runner, self._seq, self._cached, ids)
         if self._sampler is None:
-            drafted = self._greedy(feed, req.k)
+            drafted = self._greedy(feed, req.k, req.free_rows)
             return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None)
         tokens, probs = self._intersection(feed, req.k)
         return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None)
 
-    def _greedy(self, feed: list[int], k: int) -> list[int]:
+    def _greedy(self, feed: list[int], k: int, free: int = 0) -> list[int]:
+        """Up to k draft tokens; the first `free` whatever min_prob says (their rows are free)."""
         out = []
-        for _ in range(k):
-            token, sure = confident_greedy(self.runner, self._seq, feed, len(self._cached), self.min_prob)
+        for i in range(k):
+            token, sure = confident_greedy(self.runner, self._seq, feed, len(self._cached),
+                                           0.0 if i < free else self.min_prob)
             self._cached.extend(feed)
             if not sure:
                 break

@@ -58,7 +58,8 @@ class HybridDrafter(Drafter):
         self.head.reset()
 
     def draft(self, req: DraftRequest) -> DraftResult:
-        found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens, context=req.context))
+        found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens, context=req.context,
+                                                free_rows=req.free_rows))
         self._rounds += 1
         if found.tokens and self.suffix.match_len >= self.min_match:
             return self._skip_head(req, found, None)

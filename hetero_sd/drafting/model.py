@@ -64,8 +64,8 @@ class ModelDrafter(Drafter):
         feed, out, probs = self._sync(context), [], []
         # The guide is the engine's: the walk over the drafts is undone on the way out.
         with self._guide.walking() if self._guide is not None else nullcontext() as step:
-            for _ in range(req.k):
-                token, q = self._next(feed)
+            for i in range(req.k):
+                token, q = self._next(feed, free=i < req.free_rows)
                 if token is None:
                     break
                 if q is not None:
@@ -83,17 +83,18 @@ class ModelDrafter(Drafter):
                         break
         return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
 
-    def _next(self, feed: list[int]):
+    def _next(self, feed: list[int], free: bool = False):
         """The next draft token and the q it was drawn from (None when greedy);
         (None, None) when the grammar allows nothing the draft's head can propose,
-        or a greedy draft falls below min_prob.
+        or a greedy draft falls below min_prob (unless `free`: its verify row costs nothing).
         With a guide the draft's logits are masked first, so drafts stay on the
         grammar and q is the masked, renormalised distribution they came from."""
         start = len(self._cached)
         if self._guide is None:
             if self._sampler is None:
-                token, sure = confident_greedy(self.runner, self._seq, feed, start, self.min_prob)
-                if not sure:  # fed, not proposed: the cache holds the feed
+                token, confident = confident_greedy(self.runner, self._seq, feed, start,
+                                                    0.0 if free else self.min_prob)
+                if not confident:  # fed, not proposed: the cache holds the feed
                     self._cached.extend(feed)
                     return None, None
                 return token, None

@@ -136,10 +136,11 @@ class SuffixDrafter(Drafter):
         if size and size < g_size:
             options.append((self.tree, node, size, size, "local"))
         for tree, at, depth, matched, source in options:  # the other tree if the first has nothing
-            limit = min(req.k, int(self.factor * matched + 1e-9))
+            # (a free verify row takes a draft from any match, however short)
+            limit = min(req.k, max(int(self.factor * matched + 1e-9), req.free_rows))
             if limit <= 0:
                 continue
-            tokens, score = tree.speculate(at, depth, limit, self.min_token_prob)
+            tokens, score = tree.speculate(at, depth, limit, self.min_token_prob, req.free_rows)
             if tokens:
                 self.match_len, self.score, self.source = matched, score, source
                 break

@@ -136,9 +136,10 @@ class GlobalTree:
         """Whether any occurrence of the string at (node, depth) has a next token."""
         return depth < node.depth or node.children is not None
 
-    def speculate(self, node: _Edge, depth: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+    def speculate(self, node: _Edge, depth: int, limit: int, min_prob: float, free: int = 0
+                  ) -> tuple[list[int], float]:
         """As RequestTree.speculate (suffix_tree.py)."""
         def forced(node: _Edge, depth: int):  # inside an edge: every occurrence goes on
             return self.seqs[node.seq][node.start + depth] if depth < node.depth else None
 
-        return _speculate(node, depth, limit, min_prob, forced)
+        return _speculate(node, depth, limit, min_prob, forced, free)

@@ -52,10 +52,11 @@ def _best(children: dict) -> tuple:
 _END = object()  # forced(): the string runs out here
 
 
-def _speculate(node, depth: int, limit: int, min_prob: float, forced) -> tuple[list[int], float]:
+def _speculate(node, depth: int, limit: int, min_prob: float, forced, free: int = 0) -> tuple[list[int], float]:
     """Follow the most frequent continuation from (node, depth) in either tree. forced(node,
     depth) is the next token where the string goes on one way only (a tail, an edge), _END
-    where it runs out, None at a node whose children branch."""
+    where it runs out, None at a node whose children branch. The first `free` tokens are
+    taken whatever min_prob says (their verify rows cost nothing)."""
     out: list[int] = []
     prob, score = 1.0, 0.0
     while len(out) < limit:
@@ -67,7 +68,7 @@ def _speculate(node, depth: int, limit: int, min_prob: float, forced) -> tuple[l
                 break
             best, total = _best(node.children)
             prob *= best.count / total
-            if prob < min_prob:
+            if prob < min_prob and len(out) >= free:
                 break
             token, node = best.token, best
         out.append(token)
@@ -216,10 +217,11 @@ class RequestTree:
                 best, size = node, n
         return best, size
 
-    def speculate(self, node: _Node, depth: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+    def speculate(self, node: _Node, depth: int, limit: int, min_prob: float, free: int = 0
+                  ) -> tuple[list[int], float]:
         """The most frequent continuation from (node, depth): up to `limit` tokens while
-        the product of the choices' frequency ratios stays >= min_prob; and the sum
-        of those products (an estimate of how many will be accepted)."""
+        the product of the choices' frequency ratios stays >= min_prob (the first `free`
+        regardless); and the sum of those products (an estimate of how many will be accepted)."""
         seq = self.sequence
 
         def forced(node: _Node, depth: int):  # a tail: the one occurrence goes on, until the sequence ends
@@ -228,4 +230,4 @@ class RequestTree:
             idx = node.start + depth
             return _END if depth >= self.depth or idx >= len(seq) else seq[idx]
 
-        return _speculate(node, depth, limit, min_prob, forced)
+        return _speculate(node, depth, limit, min_prob, forced, free)

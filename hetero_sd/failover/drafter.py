@@ -66,7 +66,8 @@ class FailoverDrafter(Drafter):
             return DraftResult(req.seq_id, [])
         if self._fresh:
             # (features align with the context's end: the replacement gets what this round has)
-            req = DraftRequest(req.seq_id, 0, req.k, list(context), features=req.features, context=context)
+            req = DraftRequest(req.seq_id, 0, req.k, list(context), features=req.features, context=context,
+                               free_rows=req.free_rows)
         n = len(context)
         try:
             result = self.serving.draft(req)

@@ -159,6 +159,29 @@ def test_min_prob_stops_unsure_greedy_drafts_and_stays_lossless(cross):
     assert drafted[0.0] > drafted[0.45] > drafted[0.99] == 0, drafted
 
 
+@pytest.mark.parametrize("cross", [False, True], ids=["same-vocab", "cross-vocab"])
+def test_a_padded_target_s_free_row_takes_a_draft_below_min_prob(cross):
+    """Where the target pads a one-token call (its second row is computed anyway), the
+    first draft of a greedy round is proposed however unsure the draft model is; the
+    drafts after it still stop below min_prob, and the output is the target's."""
+    from hetero_sd.drafting import ModelDrafter
+
+    target = TableRunner(4, seed=0)
+    alone = Engine(target, None).generate_ids(PROMPT, 30).token_ids
+    got = {}
+    for padded in (False, True):
+        target.pads_single_row = padded
+        draft = TableRunner(4, seed=3, scale=1.0)
+        drafter = CrossVocabDrafter(draft, _bridge(), 0.99) if cross else ModelDrafter(draft, 4, min_prob=0.99)
+        res = Engine(target, drafter, k=4).generate_ids(PROMPT, 30)
+        assert res.token_ids == alone, padded
+        got[padded] = res.stats
+    assert got[False].drafted == 0
+    stats = got[True]
+    assert stats.drafted > 0 and len(stats.drafted_pos) == 1  # one draft a round: min_prob stops the rest
+    assert stats.drafted >= stats.rounds - 2  # every round but the last drafts (cross: one may spell nothing)
+
+
 def test_pieces_of_a_byte_level_tokenizer():
     from helpers.tiny_models import make_tokenizer
 

@@ -2,7 +2,8 @@
 (the row check, backends/row_check.py), a greedy request whose policy drafts nothing still
 drafts one token from a lookup drafter, as that row costs nothing; the output stays the
 target's own. Never for a sampled request (its draft lengths follow acceptance alone), a
-model drafter, or an unpadded target."""
+model drafter, or an unpadded target. And a round that drafts takes its first draft
+however unsure the drafter is (DraftRequest.free_rows): min_prob floors do not apply."""
 from __future__ import annotations
 
 from hetero_sd.backends import row_check
@@ -56,6 +57,35 @@ def test_the_free_row_drafts_and_stays_lossless(tiny_model_dir, monkeypatch):
         sampled = _run(engine, prompt, 24, SamplingParams(temperature=0.9, seed=seed))
         assert sampled.stats.drafted == 0
     assert drafted > 0  # the policy drafted nothing: every draft rode in a free row
+
+
+def test_a_short_unsure_suffix_match_fills_the_free_row(tiny_model_dir, monkeypatch):
+    """The suffix drafter's probability floor and length cap do not apply to a free row's draft."""
+    from hetero_sd.drafting.suffix import SuffixDrafter
+
+    drafted = {}
+    for pad in ("0", "1"):
+        monkeypatch.setenv(row_check.ENV, pad)
+        target = discover().get("onnxruntime").load(load_model_ir(tiny_model_dir("llama")), "cpu", "int4", 8 << 20)
+        engine = Engine(target, SuffixDrafter(factor=0.01, min_token_prob=1.0), k=4, tokenizer=make_tokenizer())
+        drafted[pad] = 0
+        for seed in range(4):
+            prompt = random_prompt(12, seed=400 + seed) * 3
+            req = engine.request(prompt, 24)
+            req.policy = _Always(4)
+            req.run()
+            got = req.close()
+            assert got.token_ids == engine.generate_ids(prompt, 24, target_only=True).token_ids
+            drafted[pad] += got.stats.drafted
+    assert drafted["0"] == 0 < drafted["1"], drafted
+
+
+class _Always(_Never):
+    def __init__(self, k: int):
+        self.k = k
+
+    def next_k(self, remaining: int) -> int:
+        return min(self.k, remaining)
 
 
 def test_no_free_row_on_an_unpadded_target(tiny_model_dir, monkeypatch):
