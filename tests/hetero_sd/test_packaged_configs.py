@@ -15,7 +15,8 @@ OVERRIDES = {"auto.yaml": {"auto.backends": ["torch"], "auto.quick": True}}
 def test_expected_examples_exist():
     assert {"cpu.yaml", "cpu-draft-model.yaml", "onnxruntime.yaml", "openvino.yaml", "mixed-cpu.yaml",
             "cuda-cpu.yaml", "ascend-cpu.yaml", "auto.yaml", "shm-async.yaml", "cascade.yaml",
-            "qwen-coder.yaml", "qwen-coder-mixed.yaml", "qwen-coder-worker.yaml", "json.yaml"} <= set(ALL)
+            "qwen-coder.yaml", "qwen-coder-mixed.yaml", "qwen-coder-worker.yaml", "json.yaml",
+            "qwen-coder-smol.yaml", "llama-smol.yaml"} <= set(ALL)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -33,12 +34,13 @@ def foreign_draft(tmp_path_factory):
 
 
 def _big_model_overrides(name: str, tiny_gguf, foreign_draft) -> dict:
-    """The Qwen2.5-Coder configs, every key as shipped but the models: a tiny
-    Q4_K_M target and a draft of other block types (the packages hold 1.6 GB;
-    benchmarks/check_pair.py runs the real pair), or of another tokenizer where
-    the shipped draft is another family's, and a draft head that fits the tiny vocabulary."""
+    """The Qwen2.5-Coder configs and the Llama one, every key as shipped but the
+    models: a tiny Q4_K_M target of the family and a draft of other block types
+    (the packages hold 1.6 GB; benchmarks/check_pair.py runs the real pair), or of
+    another tokenizer where the shipped draft is another family's, and a draft head
+    that fits the tiny vocabulary."""
     cfg = load_config(PACKAGED / name)
-    out = {"target.model": str(tiny_gguf("qwen2-wide", "Q4_K_M"))}
+    out = {"target.model": str(tiny_gguf("llama-wide" if name.startswith("llama") else "qwen2-wide", "Q4_K_M"))}
     if cfg.drafter.kind == "model":
         same_family = cfg.drafter.model is None or cfg.drafter.model.startswith("qwen")
         out["drafter.model"] = str(tiny_gguf("qwen2-wide", "LEGACY") if same_family else foreign_draft)
@@ -52,11 +54,15 @@ def test_runs_losslessly_here(name, tiny_gguf, foreign_draft):
     import os
 
     overrides = OVERRIDES.get(name) or (_big_model_overrides(name, tiny_gguf, foreign_draft)
-                                        if name.startswith("qwen") else None)
+                                        if name.startswith(("qwen", "llama")) else None)
     affinity = os.sched_getaffinity(0)
     engine = Engine.from_config(load_config(PACKAGED / name, overrides))
     try:
         assert (engine.plan is not None) == (name == "auto.yaml")
+        if name.endswith("-smol.yaml"):  # SmolLM2 drafting for another family: the draft of another tokenizer
+            from hetero_sd.drafting.cross_vocab import CrossVocabDrafter
+
+            assert isinstance(engine.drafter, CrossVocabDrafter)
         prompt = "Repeat exactly: red green blue, red green blue, red green blue."
         spec = engine.generate(prompt, max_new_tokens=12)
         base = engine.generate(prompt, max_new_tokens=12, target_only=True)
