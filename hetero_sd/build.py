@@ -49,7 +49,9 @@ def build(spec: EngineSpec, load: Loader) -> Built:
     drafter = target = None
     try:
         drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
-        split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs
+        given = split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs
+        if given is not None:  # closing the worker gives this process those CPUs back
+            drafter.restore_affinity = given
         target = load_target(spec, load)
         if drafter is not None:
             drafter.wait_ready()
@@ -99,12 +101,13 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
                 constraint=gen.constraint_spec(cfg.source))
 
 
-def split_cores(drafter) -> None:
+def split_cores(drafter) -> set[int] | None:
     """A worker given `cpus` runs there; this process (the target) keeps the
-    other CPUs, set before any runtime sizes its thread pool from them."""
+    other CPUs, set before any runtime sizes its thread pool from them. Returns
+    the CPUs this process had (None: nothing changed)."""
     cpus = drafter.cpus if isinstance(drafter, WorkerSpec) else None
     if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
+        return None
     mine = os.sched_getaffinity(0)
     if not set(cpus) <= mine:
         raise ConfigError(f"drafter cpus {sorted(cpus)} are not all available to this process "
@@ -114,3 +117,4 @@ def split_cores(drafter) -> None:
         raise ConfigError(f"drafter cpus {sorted(cpus)} leave no CPU for the target (available: {sorted(mine)}); "
                           "give the worker fewer")
     os.sched_setaffinity(0, rest)
+    return mine

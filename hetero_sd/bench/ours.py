@@ -101,18 +101,22 @@ def run_ours(configs: list[Config], work: Workload, progress: Progress) -> tuple
         taken.add(name)
         place = _placement(cfg)
         planned = 2 if cfg.drafter.kind != "none" else int(place not in placements)
+        engine = None
         try:
             engine, load_s = _build(cfg)
             todo = _plan(cfg, engine, name, place, placements, load_s)
             _measure(engine, todo, work, progress)
             runs.extend(r for r, _ in todo)
-            del engine
         except HeteroSDError as exc:  # a backend refusing, a prompt too long for its context, ...
             if i == 0:
                 raise
             skipped[name] = f"failed: {type(exc).__name__}: {exc}"
             progress.log(f"skipped {name}: {exc}")
             progress.skip(planned * len(work.prompts))
+        finally:  # its workers stopped and its CPUs back before the next configuration (or llama-bench)
+            if engine is not None:
+                engine.close()
+            del engine
         gc.collect()
     return runs, skipped
 

@@ -162,6 +162,9 @@ class RemoteDrafter(Drafter):
         self._w: _Worker | None = None
         self._ready = self._warm = False
         self._failed_starts = 0
+        # CPUs the engine's process gave up to this worker (build.split_cores): back on close,
+        # or whatever the process runs next (a benchmark's next configuration) has fewer
+        self.restore_affinity: set[int] | None = None
         if start:
             self.start()
 
@@ -207,6 +210,9 @@ class RemoteDrafter(Drafter):
         """Stop the worker (closing the channel unlinks its segment), and give back a
         Ray placement group it was placed in. Idempotent."""
         self._stop_worker()
+        if self.restore_affinity is not None:
+            os.sched_setaffinity(0, self.restore_affinity)
+            self.restore_affinity = None
         if self.placement is not None and self.placement.group:
             from hetero_sd.cluster.ray_env import release_group
 

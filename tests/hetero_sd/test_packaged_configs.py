@@ -67,6 +67,8 @@ def test_runs_losslessly_here(name, tiny_gguf, foreign_draft):
         spec = engine.generate(prompt, max_new_tokens=12)
         base = engine.generate(prompt, max_new_tokens=12, target_only=True)
         assert spec.token_ids == base.token_ids and spec.stats.lossless == "exact"
+        engine.close()
+        assert os.sched_getaffinity(0) == affinity  # a worker config with cpus gives them back on close
     finally:
         engine.close()
-        os.sched_setaffinity(0, affinity)  # a worker config with cpus: split this process's cores
+        os.sched_setaffinity(0, affinity)  # (only where the assertion above failed)
