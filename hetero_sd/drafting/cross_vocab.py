@@ -202,16 +202,17 @@ class CrossVocabDrafter(Drafter):
         return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None)
 
     def _greedy(self, feed: list[int], k: int, free: int = 0) -> list[int]:
-        """Up to k draft tokens; the first `free` whatever min_prob says (their rows are free)."""
+        """Up to k draft tokens while they reach min_prob; within the first `free` (their
+        verify rows cost nothing) an unsure one is proposed too, as the round's last."""
         out = []
         for i in range(k):
-            token, sure = confident_greedy(self.runner, self._seq, feed, len(self._cached),
-                                           0.0 if i < free else self.min_prob)
+            token, sure = confident_greedy(self.runner, self._seq, feed, len(self._cached), self.min_prob)
             self._cached.extend(feed)
+            if sure or i < free:
+                out.append(token)
+                feed = [token]
             if not sure:
                 break
-            out.append(token)
-            feed = [token]
         return out
 
     def _intersection(self, feed: list[int], k: int) -> tuple[list[int], list[np.ndarray]]:

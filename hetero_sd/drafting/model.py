@@ -65,7 +65,7 @@ class ModelDrafter(Drafter):
         # The guide is the engine's: the walk over the drafts is undone on the way out.
         with self._guide.walking() if self._guide is not None else nullcontext() as step:
             for i in range(req.k):
-                token, q = self._next(feed, free=i < req.free_rows)
+                token, q, sure = self._next(feed, free=i < req.free_rows)
                 if token is None:
                     break
                 if q is not None:
@@ -81,34 +81,36 @@ class ModelDrafter(Drafter):
                     step(token)
                     if self._guide.finished:  # the language ended: only EOS could follow
                         break
+                if not sure:  # proposed for its free row alone: what follows it is not worth a draft step
+                    break
         return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
 
     def _next(self, feed: list[int], free: bool = False):
-        """The next draft token and the q it was drawn from (None when greedy);
-        (None, None) when the grammar allows nothing the draft's head can propose,
-        or a greedy draft falls below min_prob (unless `free`: its verify row costs nothing).
+        """The next draft token, the q it was drawn from (None when greedy), and whether
+        it reaches min_prob; (None, None, False) when the grammar allows nothing the
+        draft's head can propose, or a greedy draft falls below min_prob (unless
+        `free`: its verify row costs nothing, so it is proposed, the round's last).
         With a guide the draft's logits are masked first, so drafts stay on the
         grammar and q is the masked, renormalised distribution they came from."""
         start = len(self._cached)
         if self._guide is None:
             if self._sampler is None:
-                token, confident = confident_greedy(self.runner, self._seq, feed, start,
-                                                    0.0 if free else self.min_prob)
-                if not confident:  # fed, not proposed: the cache holds the feed
+                token, sure = confident_greedy(self.runner, self._seq, feed, start, self.min_prob)
+                if not sure and not free:  # fed, not proposed: the cache holds the feed
                     self._cached.extend(feed)
-                    return None, None
-                return token, None
-            return self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1))
+                    return None, None, False
+                return token, None, sure
+            return *self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1)), True
         from hetero_sd.constraint.guide import mask_logits
 
         logits = self.runner.forward(self._seq, feed, start, 1)[-1:]
         allowed = self._guide.allowed()[:logits.shape[-1]]
         if not allowed.any():  # a restricted head cannot say what the grammar needs next
-            return None, None
+            return None, None, False
         logits = mask_logits(logits, allowed)
         if self._sampler is None:
-            return int(logits[0].argmax()), None
-        return self._sampler.sample_draft(logits)
+            return int(logits[0].argmax()), None, True
+        return *self._sampler.sample_draft(logits), True
 
 
 def sync_cache(runner: Runner, seq: int, cached: list[int], context) -> list[int]:
