@@ -37,7 +37,7 @@ def test_packaged_cpu_yaml_loads_into_typed_sections():
     assert (cfg.target.model, cfg.target.backend, cfg.target.device, cfg.target.precision) == (
         "default", "onnxruntime", "cpu", "int4")
     d = cfg.drafter
-    assert (d.kind, d.k, d.k_max, d.min_ngram, d.max_ngram) == ("ngram", "auto", 8, 2, 4)
+    assert (d.kind, d.k, d.k_max) == ("suffix", "auto", 8)
     assert cfg.generation.max_new_tokens == 128
     assert cfg.generation.stop == []
     assert cfg.generation.chat_template is True
