@@ -94,10 +94,10 @@ def test_constrained_sampling_matches_target(drafter, params):
 
 def test_unmasked_q_is_detected(monkeypatch):
     """Power check: drafts drawn inside the grammar, but q reported unmasked."""
-    def next_with_unmasked_q(self, feed):
+    def next_with_unmasked_q(self, feed, free=False):  # (ModelDrafter._next's contract: token, q, sure)
         raw = self.runner.forward(self._seq, feed, len(self._cached), 1)[-1:]
         token, _ = self._sampler.sample_draft(mask_logits(raw, self._guide.allowed()))
-        return token, self._sampler.probs(raw)[-1]
+        return token, self._sampler.probs(raw)[-1], True
 
     monkeypatch.setattr(ModelDrafter, "_next", next_with_unmasked_q)
     engine, target = _engine("model")
