@@ -85,10 +85,19 @@ def test_cli_target_only_skips_an_unknown_draft_name(tiny_model_dir, tmp_path, c
 
 # Two fake devices: fake:0 decodes faster, fake:1 verifies drafts far cheaper (and computes
 # in bf16, so a baseline on the wrong device would not even produce the same tokens).
+def _faster_precision() -> str:
+    """What the faster fake device runs as: bf16 (numerics apart from fp32's) where torch has
+    it on this CPU; else fp32, so a host without bf16 still runs the placement path."""
+    from hetero_sd.backends.registry import discover
+
+    offered = {p.name for info in discover().get("torch").probe() for p in info.precisions}
+    return "bf16" if "bf16" in offered else "fp32"
+
+
 _TWO_DEVICES = {"simulate_time": False, "devices": [
     {"device": "fake:0", "costs": {"decode_per_token_s": 0.004, "verify_base_s": 0.004,
                                    "verify_per_token_s": 0.004, "prefill_per_token_s": 1e-5}},
-    {"device": "fake:1", "precisions": [{"name": "fp32", "runs_as": "bf16"}],
+    {"device": "fake:1", "precisions": [{"name": "fp32", "runs_as": _faster_precision()}],
      "costs": {"decode_per_token_s": 0.005, "verify_base_s": 0.005, "verify_per_token_s": 0.0002,
                "prefill_per_token_s": 1e-5}}]}
 
