@@ -28,6 +28,11 @@ classes and register under the `hetero_sd.backends` entry-point group.
                                                    one-sequence path rounds apart from its batched
                                                    one takes the batched for every call from then
                                                    on (onnxruntime, ort_backend.py); default: nothing
+               draft_only()                        said once, before the first sequence, by a drafter:
+                                                   its outputs are proposals the target verifies, so
+                                                   one row need not round as inside a multi-row call,
+                                                   and a runner that pads one-token calls for that
+                                                   (pads_single_row) stops; default: nothing
                close()                             free what outlives this process's memory (a
                                                    remote actor); default: nothing to free
                location                            the machine it runs on when not here
@@ -162,6 +167,9 @@ class Runner(ABC):
 
     def serve_batches(self) -> None:
         """Optional: several sequences per call will follow (module docstring); before any sequence."""
+
+    def draft_only(self) -> None:
+        """Optional: this runner drafts (module docstring); before any sequence."""
 
     def close(self) -> None:
         """Optional: free what this process's exit would not (a remote actor)."""

@@ -38,7 +38,7 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, ModelSpec):
         if spec.translate is not None:
             return cross_vocab_drafter(spec, target_vocab, load)
-        return ModelDrafter(load(spec), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab,
+        return ModelDrafter(drafting_runner(spec, load), target_vocab, f"draft model {Path(spec.model).name}", spec.vocab,
                             spec.min_prob)
     if isinstance(spec, HeadSpec):
         return HeadDrafter(load_head(spec, load), target_vocab)
@@ -61,13 +61,21 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     raise TypeError(f"not a drafter spec: {spec!r}")
 
 
+def drafting_runner(spec: ModelSpec, load):
+    """A draft model's runner, told it drafts (Runner.draft_only): its one-token calls need
+    not round as inside a verify, so a runner that pads them for the target's sake stops."""
+    runner = load(spec)
+    runner.draft_only()
+    return runner
+
+
 def cross_vocab_drafter(spec: ModelSpec, target_vocab: int, load) -> CrossVocabDrafter:
     """A draft model of another tokenizer than the target's (spec.translate names the target)."""
     if spec.vocab is not None:
         raise ConfigError(f"{spec.role} {Path(spec.model).name}: vocab: restricts a draft's head to the "
                           "target's first ids, which a draft of another tokenizer does not share; drop it")
     draft_tok, target_tok = load.tokenizer(spec.model), load.tokenizer(spec.translate)
-    runner = load(spec)
+    runner = drafting_runner(spec, load)
     try:
         bridge = VocabBridge(TokenizerCodec(target_tok), TokenizerCodec(draft_tok), target_vocab, runner.vocab_size)
         return CrossVocabDrafter(runner, bridge, spec.min_prob)

@@ -135,3 +135,28 @@ def test_a_one_row_path_that_rounds_apart_keeps_the_padding(tmp_path, monkeypatc
     assert verdict.pad and verdict.how == "checked"
     assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).how == "cached"  # keyed by folder
     assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).pad  # the cached verdict stands
+
+
+@pytest.mark.parametrize("backend,precision,batches", [("onnxruntime", "int4", False), ("onnxruntime", "int4", True),
+                                                       ("openvino", "int4", False)],
+                         ids=["onnxruntime-in-place", "onnxruntime-batched", "openvino"])
+def test_a_draft_runner_runs_one_token_calls_unpadded(tiny_model_dir, monkeypatch, backend, precision, batches):
+    """draft_only(): a padded runner stops padding (a draft's rows are proposals), says so
+    in its kernel choice, and its one-token call is the unpadded one, bitwise; it stays
+    unpadded when onnxruntime reloads its batched graph."""
+    folder = tiny_model_dir("llama")
+    plain = _load(backend, folder, precision, monkeypatch, "0", batches)
+    runner = _load(backend, folder, precision, monkeypatch, "1", False)
+    assert runner.pads_single_row
+    runner.draft_only()
+    if batches:
+        runner.serve_batches()
+    assert not runner.pads_single_row and "draft_only" in runner.kernel_choice
+    assert "padded to two rows" not in runner.kernel_choice
+    prompt, cont = random_prompt(9, seed=5), random_prompt(6, seed=6)
+    got = []
+    for r in (plain, runner):
+        seq = r.allocate(32)
+        r.forward(seq, prompt, 0, 1)
+        got.append(np.stack([r.forward(seq, [t], 9 + i, 1)[0] for i, t in enumerate(cont)]))
+    assert np.array_equal(got[0], got[1])

@@ -295,3 +295,29 @@ def test_vocabularies_that_share_nothing_are_refused():
 
     with pytest.raises(ConfigError, match="share no token"):
         VocabBridge(LetterCodec("abc"), LetterCodec("xyz"), 3, 3)
+
+
+@pytest.mark.parametrize("draft", ["same-tokenizer", "foreign"])
+def test_a_draft_model_runs_unpadded_beside_a_padded_target(tiny_model_dir, foreign_draft, tmp_path, monkeypatch,
+                                                          draft):
+    """A draft's runner is told it drafts (Runner.draft_only): where the target pads its
+    one-token calls for exactness, the draft's run unpadded (cheaper), and the output is
+    still the target's own, k = 1..8."""
+    from hetero_sd.backends import row_check
+    from hetero_sd.scheduler import FixedDraftLength
+    from helpers.tiny_models import make_tokenizer
+
+    monkeypatch.setenv(row_check.ENV, "1")
+    model = tiny_model_dir("llama")
+    engine = _from_yaml(tmp_path, f"model: {model}, backend: onnxruntime, precision: int4",
+                        f"kind: model, model: {foreign_draft if draft == 'foreign' else model}, "
+                        f"backend: onnxruntime, precision: int4, k: 3")
+    assert engine.target_runner.pads_single_row and not engine.drafter.runner.pads_single_row
+    assert "draft_only" in engine.drafter.runner.kernel_choice
+    prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
+    alone = engine.generate_ids(prompt, 32, target_only=True).token_ids
+    for k in range(1, 9):
+        engine.policy = FixedDraftLength(k)
+        res = engine.generate_ids(prompt, 32)
+        assert res.token_ids == alone, f"k={k}"
+        assert res.stats.drafted > 0
