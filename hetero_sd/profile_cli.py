@@ -125,6 +125,14 @@ def _candidate_json(c) -> dict:
             "k": c.k, "tokens_per_s": c.tokens_per_s}
 
 
+def _decode(e) -> str:
+    """The one-token step, and beside it the step as a draft where that is cheaper (unpadded)."""
+    out = f"{e.decode_s * 1e3:.2f}"
+    if 0 < e.draft_decode_s < 0.95 * e.decode_s:
+        out += f" ({e.draft_decode_s * 1e3:.2f} as draft)"
+    return out
+
+
 def _kernel(choice: str) -> str:
     """The row check's verdict, short (backends/row_check.py); "" for runners without one."""
     if not choice:
@@ -152,7 +160,7 @@ def _print_table(report, roles: dict) -> None:
     table.add_column("source")
     for e in report.entries:
         table.add_row(e.model, roles.get(e.model_path, ""), str(e.placement), "yes" if e.exact else "no",
-                      " ".join(f"{n}:{t * 1e3:.1f}" for n, t in e.prefill), f"{e.decode_s * 1e3:.2f}",
+                      " ".join(f"{n}:{t * 1e3:.1f}" for n, t in e.prefill), _decode(e),
                       " ".join(f"{t * 1e3:.2f}" for _, t in e.verify), _kernel(e.kernel),
                       "cache" if e.cached else "measured")
     for f in report.failures:

@@ -33,7 +33,8 @@ from hetero_sd.errors import ConfigError
 from hetero_sd.ir.model import load_model_ir
 from hetero_sd.scheduler import Constraints, CostCurve, DeviceProfile, DraftOption, Placement, Problem
 
-PROFILE_VERSION = 2  # bump when what is measured, or how, changes (2: one-token calls padded per host check)
+PROFILE_VERSION = 3  # bump when what is measured, or how, changes (2: one-token calls padded per host
+# check; 3: the one-token step as a draft, unpadded, measured apart)
 DEFAULT_ACCEPTANCE = {"ngram": 0.5, "model": 0.7}  # priors until the engine observes real acceptance
 
 
@@ -60,8 +61,9 @@ class ProfileEntry:
     precision: str
     exact: bool  # the precision is batch-invariant (bitwise-lossless as a target)
     prefill: list[tuple[int, float]]  # (prompt tokens, seconds)
-    decode_s: float  # one one-token step after `context` tokens
+    decode_s: float  # one one-token step after `context` tokens, as a target runs it
     verify: list[tuple[int, float]]  # (width, seconds) for widths 1..k_max+1
+    draft_decode_s: float = 0.0  # the same step as a draft model runs it (Runner.draft_only: unpadded)
     measured_at: str = ""
     kernel: str = ""  # the runner's kernel choice for this host (Runner.kernel_choice)
     cached: bool = field(default=False, compare=False)  # read from the cache, not measured now
@@ -70,8 +72,11 @@ class ProfileEntry:
     def placement(self) -> Placement:
         return Placement(self.backend, self.device, self.precision)
 
-    def to_profile(self) -> DeviceProfile:
-        return DeviceProfile(self.model, self.placement, CostCurve(tuple(self.prefill)), self.decode_s,
+    def to_profile(self, draft: bool = False) -> DeviceProfile:
+        """The scheduler's view; draft: of the model as a drafter, whose one-token
+        step may be cheaper than a target's (a target pads it where its host needs)."""
+        step = self.draft_decode_s if draft and self.draft_decode_s > 0 else self.decode_s
+        return DeviceProfile(self.model, self.placement, CostCurve(tuple(self.prefill)), step,
                              CostCurve(tuple(self.verify)), self.exact)
 
 
@@ -146,7 +151,8 @@ def _timed(call) -> float:
 
 
 def measure_runner(runner, settings: ProfileSettings) -> dict:
-    """Prefill, one-token step and verify timings (seconds) of one loaded runner."""
+    """Prefill, one-token step and verify timings (seconds) of one loaded runner, and
+    its one-token step as a draft (the runner is left drafting: measure it last)."""
     widths = range(1, settings.k_max + 2)
     room = runner.max_context - (settings.k_max + settings.decode_steps + 2)
     lengths = sorted({max(1, min(n, room)) for n in settings.prompt_lengths})
@@ -178,6 +184,11 @@ def measure_runner(runner, settings: ProfileSettings) -> dict:
             verify(w)
         figures["decode_s"] = statistics.median(decode() for _ in rep)
         figures["verify"] = [(w, statistics.median(verify(w) for _ in rep)) for w in widths]
+        figures["kernel"] = runner.kernel_choice  # the target's choice, before it drafts
+        # last: draft_only is one-way (a runner told it drafts stays a drafter)
+        runner.draft_only()
+        decode()
+        figures["draft_decode_s"] = statistics.median(decode() for _ in rep)
         return figures
     finally:
         runner.release(seq)
@@ -263,7 +274,7 @@ def _measure(registry: Registry, ir, placement: Placement, exact: bool, settings
     figures = measure_runner(runner, settings)
     return ProfileEntry(ir.source.name, str(ir.source.resolve()), placement.backend, placement.device,
                         placement.precision, exact, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        kernel=runner.kernel_choice, **figures)
+                        **figures)
 
 
 # ------------------------------------------------------------------ to the splitter
@@ -278,7 +289,7 @@ def build_problem(report: ProfileReport, target_model: Path | str, draft_model: 
         raise ConfigError(f"no profile of the target model {target_model}; run `hetero-sd profile` for it")
     drafters = [DraftOption("ngram", alpha["ngram"], round_s=report.ngram_round_s)]
     if draft_model is not None:
-        drafters += [DraftOption("model", alpha["model"], e.to_profile()) for e in report.for_model(draft_model)]
+        drafters += [DraftOption("model", alpha["model"], e.to_profile(draft=True)) for e in report.for_model(draft_model)]
     return Problem(targets, tuple(drafters), k_max or report.settings.k_max, constraints, workload)
 
 

@@ -184,3 +184,49 @@ def test_a_draft_of_another_tokenizer_is_profiled_and_planned(tiny_model_dir, tm
         roles = {e["role"] for e in data["profiles"]}
         assert roles == {"target", "draft (another tokenizer: drafts via text)"}, roles
         assert data["plan"]["best"]["target"] == "torch:cpu/fp32"
+
+
+def test_a_draft_step_is_measured_as_the_runner_drafts(tiny_model_dir, tmp_path, monkeypatch):
+    """The draft-role step is timed after Runner.draft_only (a padded target's drafts run
+    unpadded), the kernel recorded is the target's, and the splitter costs a draft model
+    with that step while the target keeps its own."""
+    monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path))
+    monkeypatch.setenv("HETERO_SD_PAD_SINGLE_ROW", "1")  # padded as a target, on any host
+    calls = []  # (drafting yet, tokens) per call
+    real_measure = profiler.measure_runner
+
+    def spying(runner, settings):
+        state = {"drafting": False}
+        real_greedy, real_draft_only = runner.greedy, runner.draft_only
+        target_kernel = runner.kernel_choice
+
+        def greedy(seq, tokens, *args):
+            calls.append((state["drafting"], len(tokens)))
+            return real_greedy(seq, tokens, *args)
+
+        def draft_only():
+            state["drafting"] = True
+            real_draft_only()
+
+        runner.greedy, runner.draft_only = greedy, draft_only
+        figures = real_measure(runner, settings)
+        assert figures["kernel"] == target_kernel and "padded" in target_kernel
+        return figures
+
+    monkeypatch.setattr(profiler, "measure_runner", spying)
+    target, draft = tiny_model_dir("llama"), tiny_model_dir("llama", seed=1)
+    settings = profiler.ProfileSettings.quick(2)
+    report = profiler.profile_models([target, draft], ["onnxruntime"], ["int8"], settings)
+    assert not report.failures
+    per_model = 1 + settings.repeats  # a warm-up and the repeats, each of decode_steps one-token calls
+    drafting = [n for d, n in calls if d]
+    assert drafting == [1] * (2 * per_model * settings.decode_steps)  # only one-token calls, after draft_only
+    assert all(not d for d, _ in calls[:len(calls) // 2 - per_model * settings.decode_steps])
+    for entry in report.entries:
+        assert entry.draft_decode_s > 0 and "draft_only" not in entry.kernel
+        assert entry.to_profile(draft=True).decode_s == entry.draft_decode_s
+        assert entry.to_profile().decode_s == entry.decode_s
+    problem = profiler.build_problem(report, target, draft)
+    [model] = [d for d in problem.drafters if d.kind == "model"]
+    assert model.profile.decode_s == report.for_model(draft)[0].draft_decode_s
+    assert problem.targets[0].decode_s == report.for_model(target)[0].decode_s
