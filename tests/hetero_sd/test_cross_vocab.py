@@ -211,6 +211,17 @@ def _from_yaml(tmp_path, target: str, drafter: str, extra: str = "", budget: str
     path.write_text(f"{extra}target: {{{target}}}\ndrafter: {{{drafter}}}\nmemory: {{kv_budget: {budget}}}\n")
     return Engine.from_config(load_config(path))
 
+def _assert_lossless_for_every_k(engine, prompt, n):
+    """Each fixed draft length 1..8 drafts something and gives the target's own output."""
+    from hetero_sd.scheduler import FixedDraftLength
+
+    alone = engine.generate_ids(prompt, n, target_only=True).token_ids
+    for k in range(1, 9):
+        engine.policy = FixedDraftLength(k)
+        res = engine.generate_ids(prompt, n)
+        assert res.token_ids == alone, f"k={k}"
+        assert res.stats.drafted > 0 and res.stats.lossless == "exact"
+
 
 PAIRS = [("onnxruntime", "int4", "torch", "fp32"), ("torch", "fp32", "onnxruntime", "int4"),
          ("openvino", "fp32", "onnxruntime", "fp32")]
@@ -219,7 +230,6 @@ PAIRS = [("onnxruntime", "int4", "torch", "fp32"), ("torch", "fp32", "onnxruntim
 @pytest.mark.parametrize("target_backend,target_precision,draft_backend,draft_precision", PAIRS)
 def test_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft, tmp_path, target_backend,
                                                   target_precision, draft_backend, draft_precision):
-    from hetero_sd.scheduler import FixedDraftLength
     from helpers.tiny_models import make_tokenizer
 
     engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}, backend: {target_backend}, "
@@ -227,12 +237,7 @@ def test_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft,
                         f"kind: model, model: {foreign_draft}, backend: {draft_backend}, "
                         f"precision: {draft_precision}, k: 3")
     prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
-    alone = engine.generate_ids(prompt, 40, target_only=True).token_ids
-    for k in range(1, 9):
-        engine.policy = FixedDraftLength(k)
-        res = engine.generate_ids(prompt, 40)
-        assert res.token_ids == alone, f"k={k}"
-        assert res.stats.drafted > 0 and res.stats.lossless == "exact"
+    _assert_lossless_for_every_k(engine, prompt, 40)
 
 
 def test_a_hybrid_with_a_draft_of_another_tokenizer_is_lossless(tiny_model_dir, foreign_draft, tmp_path):
@@ -304,7 +309,6 @@ def test_a_draft_model_runs_unpadded_beside_a_padded_target(tiny_model_dir, fore
     one-token calls for exactness, the draft's run unpadded (cheaper), and the output is
     still the target's own, k = 1..8."""
     from hetero_sd.backends import row_check
-    from hetero_sd.scheduler import FixedDraftLength
     from helpers.tiny_models import make_tokenizer
 
     monkeypatch.setenv(row_check.ENV, "1")
@@ -315,9 +319,4 @@ def test_a_draft_model_runs_unpadded_beside_a_padded_target(tiny_model_dir, fore
     assert engine.target_runner.pads_single_row and not engine.drafter.runner.pads_single_row
     assert "draft_only" in engine.drafter.runner.kernel_choice
     prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
-    alone = engine.generate_ids(prompt, 32, target_only=True).token_ids
-    for k in range(1, 9):
-        engine.policy = FixedDraftLength(k)
-        res = engine.generate_ids(prompt, 32)
-        assert res.token_ids == alone, f"k={k}"
-        assert res.stats.drafted > 0
+    _assert_lossless_for_every_k(engine, prompt, 32)
