@@ -20,8 +20,11 @@ GOOD = {"prompt": "hello there", "max_tokens": 4}
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir, tmp_path_factory):
     # slowed by declared costs, so on any host a flood finds the queue full and a client can
-    # leave while its request still runs
-    config = write_slow_config(tmp_path_factory.mktemp("bad") / "slow.yaml", tiny_model_dir("llama"))
+    # leave while its request still runs; one draft a round, so a round commits at most two
+    # tokens and a 200-token request lasts 5 s or more (with k 4 a looping tiny model took
+    # ~2 s, and a loaded CI host once finished it before the test could see it running)
+    config = write_slow_config(tmp_path_factory.mktemp("bad") / "slow.yaml", tiny_model_dir("llama"),
+                               drafter="{kind: ngram, k: 1}")
     s = ServerProcess(config, "--api-key", KEY, "--max-running", "1", "--max-waiting", "2", env=SLOW_ENV)
     yield s
     assert s.terminate() == 0, s.log
@@ -139,9 +142,12 @@ def test_client_that_disconnects_mid_stream_frees_its_sequence(http):
             "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
-        first = next(line for line in resp.iter_lines() if line.startswith("data: "))
-        assert parse_sse([first])[0]["choices"][0]["delta"]["role"] == "assistant"
-        wait_running(http, 1)
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        assert parse_sse([next(lines)])[0]["choices"][0]["delta"]["role"] == "assistant"
+        # a chunk with text and no finish reason: the request is under way; leave at once
+        # (no metrics round trip in between, which a loaded host can make outlast the request)
+        chunk = parse_sse([next(lines)])[0]["choices"][0]
+        assert chunk["delta"].get("content") and chunk["finish_reason"] is None, chunk
     # the connection closed mid-stream: the request is cancelled at the next step, its sequence freed
     wait_running(http, 0)
     assert metric(http, "hetero_sd:kv_cache_usage_perc") == 0
