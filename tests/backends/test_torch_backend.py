@@ -123,3 +123,21 @@ def test_failed_forward_leaves_sequence_length(tiny_model_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="oom"):
         runner.forward(seq, [1, 2, 3], 5, 3)
     assert runner.length(seq) == 5
+
+
+def test_gguf_pages_leave_the_resident_set_as_each_weight_loads(tiny_gguf, monkeypatch):
+    """A GGUF's mapped pages are dropped after every tensor is converted, so the file
+    never counts in memory on top of the weights (the 1.5B in fp32: 8.6 GB peak before,
+    7.7 GB after); tensors kept as views of the map still read right (the logits)."""
+    path = tiny_gguf("llama", "Q8_0")
+    model = load_model_ir(path)
+    events = []
+    get, release = model.weights.get, model.weights.release_pages
+    monkeypatch.setattr(model.weights, "get", lambda name: (events.append("read"), get(name))[1])
+    monkeypatch.setattr(model.weights, "release_pages", lambda: (events.append("release"), release())[0])
+    runner = BACKEND.load(model, "cpu", "fp32", 1 << 20)
+    reads = events.count("read")
+    assert reads == len(model.check_weights()) and events == ["read", "release"] * reads
+    prompt = random_prompt(12, seed=5)
+    got = runner.forward(runner.allocate(16), prompt, 0, len(prompt))
+    np.testing.assert_allclose(got, reference_logits(load_model_ir(path), prompt).numpy(), atol=1e-5, rtol=0)
