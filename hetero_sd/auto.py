@@ -24,7 +24,7 @@ from hetero_sd.loading import Loader
 from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
                                  replan, replan_if_drifted)
-from hetero_sd.spec import EngineSpec, model_path, suffix_spec
+from hetero_sd.spec import EngineSpec, draft_min_prob, model_path, suffix_spec
 
 
 def _pinned(section, load: Loader) -> Placement | None:
@@ -151,7 +151,7 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":
             return suffix_spec(d) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
-        spec = replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=d.min_prob)
+        spec = replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=draft_min_prob(d))
         # (a draft of another tokenizer drafts through the text, here as in build())
         return spec if load.shares_tokenizer(draft_path, target_path) else replace(spec, translate=target_path)
 

@@ -282,7 +282,8 @@ class Request:
     def _draft(self, k: int, free: int = 0):
         """(drafts, their distributions or None, seconds); `free`: DraftRequest.free_rows."""
         ids = self.history.ids
-        req = DraftRequest(self.seq, self.told, k, ids[self.told:], context=ids, free_rows=free)
+        req = DraftRequest(self.seq, self.told, k, ids[self.told:], context=ids, free_rows=free,
+                           prices=self.policy.draft_prices() if self.greedy else None)
         if self.features:
             req.features = self.features[0] if len(self.features) == 1 else np.concatenate(self.features)
             self.features.clear()

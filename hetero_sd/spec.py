@@ -67,8 +67,13 @@ def _innermost(cfg: Config) -> DrafterSpec:
     return _draft_model(cfg)
 
 
+def draft_min_prob(section) -> float | None:
+    """DrafterConfig.min_prob as ModelSpec takes it: None for auto."""
+    return None if section.min_prob == "auto" else section.min_prob
+
+
 def _draft_model(cfg: Config) -> ModelSpec:
-    return replace(placed(cfg, cfg.drafter, "draft model"), min_prob=cfg.drafter.min_prob)
+    return replace(placed(cfg, cfg.drafter, "draft model"), min_prob=draft_min_prob(cfg.drafter))
 
 
 def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:

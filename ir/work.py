@@ -120,6 +120,20 @@ class DraftRequest(_Record):
     # call padded to two rows, backends/row_check.py): a drafter proposes them even
     # where it is unsure (a min_prob does not apply to them). In-process only.
     free_rows: int = field(default=0, kw_only=True, compare=False, metadata={"wire": False})
+    # What each draft's verify row and a draft step cost (DraftPrices), for a greedy draft
+    # model whose drafts stop where they no longer pay (min_prob: auto); None: no prices
+    # (a fixed k, or a sampled request). In-process only.
+    prices: object = field(default=None, kw_only=True, compare=False, repr=False, metadata={"wire": False})
+
+
+@dataclass(frozen=True)
+class DraftPrices:
+    """Costs in target decode steps, the time an accepted draft saves (about one step):
+    rows[i], the verify row of draft i (0-based) beyond the rows before it,
+    (V(i + 2) - V(i + 1)) / V(1); step, one draft step, D(1) / V(1)."""
+
+    rows: tuple[float, ...]
+    step: float
 
 
 @dataclass

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hetero_sd.ir.work import DraftPrices
+
 
 @dataclass(frozen=True, order=True)
 class Placement:
@@ -154,6 +156,14 @@ class RoundCost:
         d, v = self.draft(k), hit * self.verify(k + 1) + (1.0 - hit) * self.verify(1)
         kept = alpha ** k
         return self.link + v + (1.0 - kept) * d + kept * max(0.0, d - v)
+
+    def prices(self, k_max: int) -> DraftPrices:
+        """Each draft's verify row and a draft step, in decode steps (DraftPrices)."""
+        step = self.verify(1)
+        if step <= 0:
+            return DraftPrices((0.0,) * k_max, 0.0)
+        rows = tuple(max(0.0, self.verify(i + 2) - self.verify(i + 1)) / step for i in range(k_max))
+        return DraftPrices(rows, self.draft(1) / step)
 
     def rate(self, alpha: float, k: int, hit: float = 1.0) -> float:
         """Expected committed tokens per second with k drafts per round."""

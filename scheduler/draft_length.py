@@ -1,8 +1,10 @@
 """How far ahead to draft: a policy fed with acceptance (and timings) after each round.
 
-The contract, which every policy has: `next_k`, `observe`, `reset`, and
+The contract, which every policy has: `next_k`, `observe`, `reset`,
 `set_cost(RoundCost)` (the cost of a round as a batching server prices it; a
-fixed k ignores it). The engine calls `next_k(remaining)` before each round and
+fixed k ignores it) and `draft_prices()` (what a draft's verify row and a draft
+step cost, for a draft model that stops where drafts no longer pay; None where
+the policy knows no costs). The engine calls `next_k(remaining)` before each round and
 `observe(drafted, accepted, draft_s, verify_s)` after its verify, where
 drafted is how many drafts the target actually verified (the n-gram drafter
 may return fewer than asked, or none), accepted how many of them it kept,
@@ -16,33 +18,55 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from hetero_sd.ir.work import MAX_DRAFT_TOKENS
+from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftPrices
 from hetero_sd.scheduler.acceptance import AcceptanceTracker
 from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
 
 
+REPRICE_EVERY = 4  # rounds between a fixed k's draft prices
+
+
 @dataclass
 class FixedDraftLength:
-    """Always propose k tokens (bounded by what is left to generate)."""
+    """Always propose k tokens (bounded by what is left to generate). It learns what
+    rounds cost from their timings only to price drafts (draft_prices) for a draft
+    model that stops where drafts no longer pay (min_prob: auto); k itself never moves."""
 
     k: int
+    cost: RoundCost | None = None  # the prior (a measured profile); DEFAULT_COST without one
 
     def __post_init__(self):
         if not 1 <= self.k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k must be in 1..{MAX_DRAFT_TOKENS}, got {self.k}")
+        self.set_cost(self.cost or DEFAULT_COST)
 
     def next_k(self, remaining: int) -> int:
         return max(0, min(self.k, remaining))
 
     def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
                 verify_s: float | None = None) -> None:
-        """Fixed: acceptance does not change k (adaptive policies override this)."""
+        """Acceptance does not change k; the timings price the next rounds' drafts
+        (a draft model's round makes about one draft step per proposed draft)."""
+        if draft_s is not None and drafted:
+            self._draft.observe(drafted, draft_s)
+        if verify_s is not None:
+            self._verify.observe(drafted + 1, verify_s)
+        self._rounds += 1
+        if self._rounds % REPRICE_EVERY == 0:  # (costs move slowly; pricing is ~50 us)
+            self._prices = None
 
     def reset(self) -> None:
-        """A new request (nothing to forget)."""
+        """A new request: costs are the placement's and are kept."""
 
     def set_cost(self, cost: RoundCost) -> None:
-        """What a round costs now (a batching server's price): a fixed k ignores it."""
+        """What a round costs now (a batching server's price): only drafts' prices follow it."""
+        self._verify, self._draft, self._prices = OnlineCurve(cost.verify), OnlineCurve(cost.draft), None
+        self._rounds = 0
+
+    def draft_prices(self) -> DraftPrices:
+        if self._prices is None:
+            self._prices = RoundCost(self._verify.snapshot(self.k + 1), self._draft.snapshot(self.k)).prices(self.k)
+        return self._prices
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a
@@ -194,6 +218,7 @@ class AdaptiveDraftLength:
         self._probe_tries = 0  # > 0 while a probe waits for a round that has drafts
         self._asked: int | None = None
         self._choice: int | None = None  # cached decision; None = recompute
+        self._prices: DraftPrices | None = None  # cached with the decision
         self._stale = 0  # rounds since the cached decision was made
 
     @property
@@ -215,9 +240,15 @@ class AdaptiveDraftLength:
 
     def _decide(self) -> int:
         if self._choice is None:
-            self._choice = self.round_cost().best_k(self.acceptance(), self.k_max, self.hit_rate)[0]
-            self._stale = 0
+            cost = self.round_cost()
+            self._choice = cost.best_k(self.acceptance(), self.k_max, self.hit_rate)[0]
+            self._prices, self._stale = cost.prices(self.k_max), 0
         return self._choice
+
+    def draft_prices(self) -> DraftPrices:
+        """The costs the latest decision was made with (DraftPrices)."""
+        self._decide()
+        return self._prices
 
     def _probe_k(self) -> int:
         """The k an optimistic acceptance (2-sigma upper bound, prior included) would pick."""

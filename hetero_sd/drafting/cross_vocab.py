@@ -28,7 +28,7 @@ import numpy as np
 
 from hetero_sd.backends.base import Runner
 from hetero_sd.drafting.base import Drafter
-from hetero_sd.drafting.model import confident_greedy, sync_cache
+from hetero_sd.drafting.model import DraftStop, greedy_prob, sync_cache
 from hetero_sd.ir.errors import ConfigError, KVBudgetError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 from hetero_sd.sampling import draw
@@ -149,7 +149,7 @@ class CrossVocabDrafter(Drafter):
     can_fork = True
     takes_guide = False  # the engine cuts drafts a grammar refuses
 
-    def __init__(self, runner: Runner, bridge: VocabBridge, min_prob: float = 0.0):
+    def __init__(self, runner: Runner, bridge: VocabBridge, min_prob: float | None = 0.0):
         if runner.vocab_size != len(bridge.to_target):
             raise ConfigError(f"the draft model scores {runner.vocab_size} tokens but its tokenizer "
                               f"bridge covers {len(bridge.to_target)}")
@@ -196,22 +196,22 @@ class CrossVocabDrafter(Drafter):
             return DraftResult(req.seq_id, [], None)
         feed = sync_cache(self.runner, self._seq, self._cached, ids)
         if self._sampler is None:
-            drafted = self._greedy(feed, req.k, req.free_rows)
+            drafted = self._greedy(feed, req.k, DraftStop(self.min_prob, req))
             return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None)
         tokens, probs = self._intersection(feed, req.k)
         return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None)
 
-    def _greedy(self, feed: list[int], k: int, free: int = 0) -> list[int]:
-        """Up to k draft tokens while they reach min_prob; within the first `free` (their
-        verify rows cost nothing) an unsure one is proposed too, as the round's last."""
+    def _greedy(self, feed: list[int], k: int, stop: DraftStop) -> list[int]:
+        """Up to k draft tokens, as far as the stop rule goes (model.DraftStop)."""
         out = []
         for i in range(k):
-            token, sure = confident_greedy(self.runner, self._seq, feed, len(self._cached), self.min_prob)
+            token, prob = greedy_prob(self.runner, self._seq, feed, len(self._cached), stop.needs_prob)
             self._cached.extend(feed)
-            if sure or i < free:
+            propose, go_on = stop.take(i, prob)
+            if propose:
                 out.append(token)
                 feed = [token]
-            if not sure:
+            if not go_on:
                 break
         return out
 

@@ -28,7 +28,7 @@ class ModelDrafter(Drafter):
     can_fork = True
 
     def __init__(self, runner: Runner, target_vocab: int, draft_desc: str = "draft model",
-                 head_vocab: int | None = None, min_prob: float = 0.0):
+                 head_vocab: int | None = None, min_prob: float | None = 0.0):
         check_vocab(runner, target_vocab, draft_desc, head_vocab)
         self.runner, self.target_vocab, self.min_prob = runner, target_vocab, min_prob
         self._seq: int | None = None
@@ -64,8 +64,9 @@ class ModelDrafter(Drafter):
         feed, out, probs = self._sync(context), [], []
         # The guide is the engine's: the walk over the drafts is undone on the way out.
         with self._guide.walking() if self._guide is not None else nullcontext() as step:
+            stop = DraftStop(self.min_prob, req)
             for i in range(req.k):
-                token, q, sure = self._next(feed, free=i < req.free_rows)
+                token, q, sure = self._next(feed, stop, i)
                 if token is None:
                     break
                 if q is not None:
@@ -81,25 +82,25 @@ class ModelDrafter(Drafter):
                     step(token)
                     if self._guide.finished:  # the language ended: only EOS could follow
                         break
-                if not sure:  # proposed for its free row alone: what follows it is not worth a draft step
+                if not sure:  # (the stop rule: what would follow is not worth a draft step)
                     break
         return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
 
-    def _next(self, feed: list[int], free: bool = False):
-        """The next draft token, the q it was drawn from (None when greedy), and whether
-        it reaches min_prob; (None, None, False) when the grammar allows nothing the
-        draft's head can propose, or a greedy draft falls below min_prob (unless
-        `free`: its verify row costs nothing, so it is proposed, the round's last).
+    def _next(self, feed: list[int], stop: "DraftStop", i: int):
+        """Draft i: the token, the q it was drawn from (None when greedy), and whether
+        the round drafts on after it; (None, None, False) when the grammar allows nothing
+        the draft's head can propose, or the stop rule does not propose a greedy draft.
         With a guide the draft's logits are masked first, so drafts stay on the
         grammar and q is the masked, renormalised distribution they came from."""
         start = len(self._cached)
         if self._guide is None:
             if self._sampler is None:
-                token, sure = confident_greedy(self.runner, self._seq, feed, start, self.min_prob)
-                if not sure and not free:  # fed, not proposed: the cache holds the feed
+                token, prob = greedy_prob(self.runner, self._seq, feed, start, stop.needs_prob)
+                propose, go_on = stop.take(i, prob)
+                if not propose:  # fed, not proposed: the cache holds the feed
                     self._cached.extend(feed)
                     return None, None, False
-                return token, None, sure
+                return token, None, go_on
             return *self._sampler.sample_draft(self.runner.forward(self._seq, feed, start, 1)), True
         from hetero_sd.constraint.guide import mask_logits
 
@@ -122,14 +123,51 @@ def sync_cache(runner: Runner, seq: int, cached: list[int], context) -> list[int
     return list(context[common:])
 
 
-def confident_greedy(runner: Runner, seq: int, feed: list[int], start: int, min_prob: float) -> tuple[int, bool]:
-    """The draft's greedy next token, and whether its probability reaches min_prob
-    (always, when min_prob is 0: then only the ids are asked for)."""
-    if min_prob <= 0:
-        return runner.greedy(seq, feed, start, 1)[0], True
+def greedy_prob(runner: Runner, seq: int, feed: list[int], start: int, want_prob: bool) -> tuple[int, float]:
+    """The draft's greedy next token and the draft's probability of it (1.0 unless
+    asked for: then only the ids are asked of the runner)."""
+    if not want_prob:
+        return runner.greedy(seq, feed, start, 1)[0], 1.0
     logits = runner.forward(seq, feed, start, 1)[-1].astype(np.float64)
     token = int(logits.argmax())
-    return token, 1.0 / np.exp(logits - logits[token]).sum() >= min_prob
+    return token, float(1.0 / np.exp(logits - logits[token]).sum())
+
+
+class DraftStop:
+    """Where a round of greedy drafts from a model stops, draft by draft.
+
+    - min_prob p (fixed): a draft whose probability under the draft model is below p
+      is not proposed and ends the round, unless its verify row is free (a padded
+      one-token call, DraftRequest.free_rows): then it is proposed, the round's last.
+    - min_prob None (`auto`) with DraftRequest.prices: draft i is proposed while the
+      chance that the target accepts it, taken as the product of the draft's
+      probabilities up to it, is at least what its verify row costs (prices.rows[i],
+      in decode steps, which an accepted draft saves); the next one is drafted only
+      while that chance also covers the next row and a draft step (it can only
+      fall). So a cheap extra row takes an unsure draft and a dear one does not,
+      by the costs the policy measures on this host, not by a constant.
+    - Neither (min_prob 0, or auto without prices: a policy that knows no costs):
+      every draft, up to k.
+    """
+
+    def __init__(self, min_prob: float | None, req: DraftRequest):
+        self.min_prob = min_prob or 0.0
+        self.prices = req.prices if min_prob is None else None
+        self.free, self.chance = req.free_rows, 1.0
+
+    @property
+    def needs_prob(self) -> bool:
+        return self.min_prob > 0 or self.prices is not None
+
+    def take(self, i: int, prob: float) -> tuple[bool, bool]:
+        """(propose draft i of probability prob, draft the next one)."""
+        if self.prices is None:
+            sure = prob >= self.min_prob
+            return sure or i < self.free, sure
+        rows, self.chance = self.prices.rows, self.chance * prob
+        propose = i < self.free or self.chance >= rows[min(i, len(rows) - 1)]
+        go_on = propose and self.chance >= rows[min(i + 1, len(rows) - 1)] + self.prices.step
+        return propose, go_on
 
 
 def check_vocab(runner: Runner, target_vocab: int, desc: str, head_vocab: int | None = None) -> None:

@@ -40,7 +40,9 @@ class ModelSpec:
     # a draft whose tokenizer is not the target's: the target model, whose tokenizer its
     # text is translated to and from (drafting/cross_vocab.py); None: they share one
     translate: str | None = None
-    min_prob: float = 0.0  # greedy drafts stop below this draft probability (DrafterConfig.min_prob)
+    # greedy drafts stop below this draft probability; None: where they stop paying
+    # (DrafterConfig.min_prob, auto; drafting/model.DraftStop)
+    min_prob: float | None = 0.0
 
     @property
     def label(self) -> str:

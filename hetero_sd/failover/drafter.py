@@ -67,7 +67,7 @@ class FailoverDrafter(Drafter):
         if self._fresh:
             # (features align with the context's end: the replacement gets what this round has)
             req = DraftRequest(req.seq_id, 0, req.k, list(context), features=req.features, context=context,
-                               free_rows=req.free_rows)
+                               free_rows=req.free_rows, prices=req.prices)
         n = len(context)
         try:
             result = self.serving.draft(req)

@@ -93,7 +93,7 @@ def test_each_built_in_drafter_declares_or_inherits_every_capability(cls):
 
 _OURS = ("copy_prefix", "fork", "take_features", "feature_layers", "close", "observe", "max_batch",
          "forward_batch", "set_cost", "runner", "location", "wait_ready", "can_fork", "can_copy_prefix",
-         "takes_guide", "partial", "release_pages", "blocks", "pads_single_row", "model_free")
+         "takes_guide", "partial", "release_pages", "blocks", "pads_single_row", "model_free", "draft_prices")
 _PROBE = re.compile(r"""(hasattr|getattr)\([^()]*?["'](%s)["']""" % "|".join(_OURS))
 
 

@@ -197,3 +197,27 @@ def exact_constrained_joint(target: TableRunner, params, prompt: list[int], new:
 
     walk([], 1.0)
     return out
+
+
+class LetterCodec:
+    """One letter per id, the last id EOS; text it cannot spell goes to `unknown`."""
+
+    def __init__(self, letters: str, unknown: int | None = None):
+        self.letters, self.unknown = letters, unknown
+        self.pieces = [c.encode() for c in letters] + [b"</s>"]
+
+    def encode(self, text: str, start: bool = False) -> list[int]:
+        text = text.replace("</s>", "\0")
+        return [len(self.letters) if c == "\0" else self.letters.index(c) if c in self.letters else self.unknown
+                for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.letters[i] if i < len(self.letters) else "</s>" for i in ids)
+
+
+def letter_bridge():
+    """Two letter vocabularies over one text, for a draft of another tokenizer."""
+    from hetero_sd.drafting.cross_vocab import VocabBridge
+
+    # target: a b c </s>; draft: b a d </s> (each spells the letter it lacks as its third)
+    return VocabBridge(LetterCodec("abc", unknown=2), LetterCodec("bad", unknown=2), 4, 4)

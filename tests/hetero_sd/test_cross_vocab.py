@@ -22,31 +22,10 @@ from hetero_sd.drafting.cross_vocab import CrossVocabDrafter, VocabBridge, token
 from hetero_sd.engine import Engine
 from hetero_sd.errors import GenerationError
 from hetero_sd.sampling import SamplingParams, draw
-from helpers.table_model import TableRunner, chi_square_p, exact_joint
+from helpers.table_model import LetterCodec, TableRunner, chi_square_p, exact_joint, letter_bridge as _bridge
 
 ALPHA = 1e-3
 PROMPT, NEW, N = [0, 1, 2, 0, 1], 4, 3000
-
-
-class LetterCodec:
-    """One letter per id, the last id EOS; text it cannot spell goes to `unknown`."""
-
-    def __init__(self, letters: str, unknown: int | None = None):
-        self.letters, self.unknown = letters, unknown
-        self.pieces = [c.encode() for c in letters] + [b"</s>"]
-
-    def encode(self, text: str, start: bool = False) -> list[int]:
-        text = text.replace("</s>", "\0")
-        return [len(self.letters) if c == "\0" else self.letters.index(c) if c in self.letters else self.unknown
-                for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(self.letters[i] if i < len(self.letters) else "</s>" for i in ids)
-
-
-def _bridge() -> VocabBridge:
-    # target: a b c </s>; draft: b a d </s> (each spells the letter it lacks as its third)
-    return VocabBridge(LetterCodec("abc", unknown=2), LetterCodec("bad", unknown=2), 4, 4)
 
 
 def _engine(drafter_cls=CrossVocabDrafter) -> tuple[Engine, TableRunner]:

@@ -30,6 +30,9 @@ class _Never:
     def set_cost(self, cost) -> None:
         pass
 
+    def draft_prices(self):
+        return None
+
 
 def _engine(folder, monkeypatch, pad: str) -> Engine:
     monkeypatch.setenv(row_check.ENV, pad)

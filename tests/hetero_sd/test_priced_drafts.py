@@ -1,0 +1,106 @@
+"""min_prob: auto (drafting/model.DraftStop): a greedy draft model's round stops where
+a draft's chance of acceptance (the product of the draft's own probabilities) no
+longer pays for its verify row, priced in decode steps by the policy's costs
+(RoundCost.prices), which a fixed k learns from the rounds' timings too.
+
+Lossless: the target decides every token whatever is proposed; checked for the same
+and another tokenizer, every k from 1 to 8 and three price levels. The rule itself is
+checked draft by draft, and that dear rows take fewer drafts than cheap ones."""
+from __future__ import annotations
+
+import pytest
+
+from hetero_sd.drafting import ModelDrafter
+from hetero_sd.drafting.cross_vocab import CrossVocabDrafter
+from hetero_sd.drafting.model import DraftStop
+from hetero_sd.engine import Engine
+from hetero_sd.ir.work import DraftPrices, DraftRequest
+from hetero_sd.scheduler import FixedDraftLength
+from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
+from helpers.table_model import TableRunner
+
+from helpers.table_model import letter_bridge as _bridge
+
+PROMPT = [0, 1, 2, 0, 1]
+
+CHEAP = RoundCost(CostCurve(((1, 1.0), (9, 1.0))), CostCurve.affine(0.0, 0.01))  # rows free, drafts ~free
+MIDDLE = RoundCost(CostCurve(((1, 1.0), (2, 1.3), (9, 3.4))), CostCurve.affine(0.0, 0.1))
+DEAR = RoundCost(CostCurve(((1, 1.0), (2, 1.45), (9, 6.0))), CostCurve.affine(0.0, 0.2))
+
+
+def _request(prices: DraftPrices | None, free: int = 0) -> DraftRequest:
+    return DraftRequest(0, 0, 4, [1], free_rows=free, prices=prices)
+
+
+def test_prices_are_each_row_and_a_draft_step_in_decode_steps():
+    cost = RoundCost(CostCurve(((1, 2.0), (2, 2.4), (3, 3.2))), CostCurve.affine(0.0, 0.5))
+    prices = cost.prices(3)
+    assert prices.rows == pytest.approx((0.2, 0.4, 0.4))  # the last beyond the curve: its last slope
+    assert prices.step == pytest.approx(0.25)
+
+
+def test_the_stop_rule_draft_by_draft():
+    prices = DraftPrices((0.2, 0.4, 0.4), 0.1)
+    stop = DraftStop(None, _request(prices))
+    assert stop.needs_prob
+    assert stop.take(0, 0.9) == (True, True)  # 0.9 pays row 0, and row 1 plus a step (0.5)
+    assert stop.take(1, 0.5) == (True, False)  # chance 0.45 pays row 1 (0.4), not row 2 + a step
+    assert DraftStop(None, _request(prices)).take(0, 0.3) == (True, False)
+    assert DraftStop(None, _request(prices)).take(0, 0.1) == (False, False)
+    assert DraftStop(None, _request(prices, free=1)).take(0, 0.1) == (True, False)  # a free row takes it
+    # a fixed min_prob keeps its rule; auto without prices (a policy that knows no costs) drafts to k
+    assert DraftStop(0.5, _request(prices)).take(0, 0.4) == (False, False)
+    assert DraftStop(0.5, _request(prices, free=1)).take(0, 0.4) == (True, False)
+    assert DraftStop(0.5, _request(prices)).take(0, 0.6) == (True, True)
+    unpriced = DraftStop(None, _request(None))
+    assert not unpriced.needs_prob and unpriced.take(0, 1.0) == (True, True)
+
+
+def test_a_fixed_k_prices_drafts_by_the_timings_it_observes():
+    policy = FixedDraftLength(4)
+    before = policy.draft_prices()  # the prior (DEFAULT_COST): a row 0.1 step, a draft step 0.02
+    for _ in range(30):  # a verify of 2 rows as dear as 1.5 steps, a draft step 0.2 of one
+        policy.observe(0, 0, verify_s=0.010)
+        policy.observe(1, 1, draft_s=0.002, verify_s=0.015)
+    prices = policy.draft_prices()
+    assert before.rows[0] == pytest.approx(0.1) and before.step == pytest.approx(0.02)
+    # (learnt robustly, so slowly: a spike moves a curve's shape by little)
+    assert prices.rows[0] == pytest.approx(0.5, rel=0.1) and prices.step == pytest.approx(0.2, rel=0.1)
+    assert policy.next_k(10) == 4  # k itself never moves
+
+
+def _run(target, drafter, k: int, cost: RoundCost) -> object:
+    engine = Engine(target, drafter, policy=FixedDraftLength(k, cost))
+    req = engine.request(PROMPT, 30, learn_timings=False)  # the prices stay the given ones
+    req.run()
+    return req.close()
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["same-vocab", "cross-vocab"])
+def test_priced_drafts_are_lossless_and_follow_the_price(cross):
+    target = TableRunner(4, seed=0)
+    alone = Engine(target, None).generate_ids(PROMPT, 30).token_ids
+    drafted = {}
+    for name, cost in (("cheap", CHEAP), ("middle", MIDDLE), ("dear", DEAR)):
+        for k in range(1, 9):
+            draft = TableRunner(4, seed=3, scale=1.0)
+            drafter = CrossVocabDrafter(draft, _bridge(), None) if cross else ModelDrafter(draft, 4, min_prob=None)
+            res = _run(target, drafter, k, cost)
+            assert res.token_ids == alone, (name, k)
+            drafted[name, k] = res.stats.drafted
+    for k in range(1, 9):
+        assert drafted["cheap", k] >= drafted["middle", k] >= drafted["dear", k], (k, drafted)
+    assert sum(drafted["cheap", k] for k in range(1, 9)) > sum(drafted["dear", k] for k in range(1, 9)) > 0, drafted
+
+
+def test_min_prob_auto_in_a_config(tmp_path):
+    from hetero_sd.config import load_config
+    from hetero_sd.errors import ConfigError
+    from hetero_sd.spec import spec_from_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("drafter: {kind: model, model: default, min_prob: auto, k: 6}\n")
+    assert spec_from_config(load_config(path)).drafter.min_prob is None
+    path.write_text("drafter: {kind: model, model: default, min_prob: sometimes}\n")
+    with pytest.raises(ConfigError, match="min_prob"):
+        load_config(path)
