@@ -94,7 +94,7 @@ def test_constrained_sampling_matches_target(drafter, params):
 
 def test_unmasked_q_is_detected(monkeypatch):
     """Power check: drafts drawn inside the grammar, but q reported unmasked."""
-    def next_with_unmasked_q(self, feed, free=False):  # (ModelDrafter._next's contract: token, q, sure)
+    def next_with_unmasked_q(self, feed, stop, i):  # (ModelDrafter._next's contract: token, q, go on)
         raw = self.runner.forward(self._seq, feed, len(self._cached), 1)[-1:]
         token, _ = self._sampler.sample_draft(mask_logits(raw, self._guide.allowed()))
         return token, self._sampler.probs(raw)[-1], True
@@ -102,7 +102,8 @@ def test_unmasked_q_is_detected(monkeypatch):
     monkeypatch.setattr(ModelDrafter, "_next", next_with_unmasked_q)
     engine, target = _engine("model")
     params = SamplingParams(1.0)
-    counts, _ = _emitted(engine, params)
+    counts, stats = _emitted(engine, params)
+    assert stats["drafted"] > 0, "the patched drafter never drafted (its signature no longer _next's?)"
     assert _p_value(engine, target, params, counts) < ALPHA
 
 
