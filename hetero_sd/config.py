@@ -116,9 +116,10 @@ class DrafterConfig(_Section):
     vocab: Annotated[int, Field(ge=1)] | None = None
     # kind=model, greedy requests: a round's drafts stop where the draft's own probability
     # of its next token falls below this (0: always k). A draft the target likely refuses
-    # costs a verify row; worth it where a draft token is cheap and often wrong. auto
-    # (with k: auto): where the chance a draft is accepted no longer pays for its verify
-    # row and a draft step, by the costs measured on this host (drafting/model.DraftStop).
+    # costs a verify row; worth it where a draft token is cheap and often wrong. auto:
+    # where the chance a draft is accepted no longer pays for its verify row and a draft
+    # step, by the costs the rounds measure on this host (drafting/model.DraftStop); k
+    # (fixed or auto) stays the most drafts a round.
     min_prob: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = 0.0
     # A cascade: intermediate models between this drafter and the target, outermost
     # (closest to the target) first. Each verifies the one after it.

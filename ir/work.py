@@ -122,7 +122,7 @@ class DraftRequest(_Record):
     free_rows: int = field(default=0, kw_only=True, compare=False, metadata={"wire": False})
     # What each draft's verify row and a draft step cost (DraftPrices), for a greedy draft
     # model whose drafts stop where they no longer pay (min_prob: auto); None: no prices
-    # (a fixed k, or a sampled request). In-process only.
+    # (a sampled request, or a policy that knows no costs). In-process only.
     prices: object = field(default=None, kw_only=True, compare=False, repr=False, metadata={"wire": False})
 
 
