@@ -13,7 +13,7 @@ import numpy as np
 
 from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
-from hetero_sd.backends.row_check import CHECK_VERSION, host_signature, settle
+from hetero_sd.backends.row_check import CHECK_VERSION, host_signature, padded, settle
 from hetero_sd.ir.cache import cache_dir
 from hetero_sd.ir.errors import BackendError, KVBudgetError
 from hetero_sd.ir.model import ModelIR
@@ -50,38 +50,41 @@ class GraphRunner(PooledRunner):
         self._kv_heads, self._head_dim = cfg.num_kv_heads, cfg.head_dim
         self._slabs: dict[int, np.ndarray] = {}
         self._past: dict[int, dict[str, np.ndarray]] = {}  # seq -> its slab's per-layer views
-        # Quantised-weight kernels may take a one-row path that rounds apart from
-        # their multi-row one (measured on some hosts); a one-token call then runs
-        # as two rows (the token twice, the second a discarded position) so decode
-        # and verify share the multi-row kernel. Padded until settle_padding()
-        # finds, by a bitwise check on this host (row_check.py), that it need not be.
-        self._pad_single_row = pad_single_row
+        # Quantised-weight kernels may take a path for one row, or for an odd call's
+        # last row, that rounds apart from their main one (measured on some hosts);
+        # such calls then run one row longer (the last token again, a discarded row)
+        # so decode and verify share one kernel. Padded ("pairs", exact wherever any
+        # padding is) until settle_padding() finds, by a bitwise check on this host
+        # (row_check.py), the cheapest padding that is exact.
+        self._checks_rows = pad_single_row
+        self._padding = "pairs" if pad_single_row else "none"
         self._drafting = False  # draft_only() was said: a draft never pads (its rows are proposals)
         self._padding_note = ""  # what kernel_choice says of the padding
         self._model = model
         self.feature_layers = cfg.feature_layers  # (): the graph has no features output
         self._features: dict[int, np.ndarray] = {}
 
-    pads_single_row = property(lambda self: self._pad_single_row)
+    pads_single_row = property(lambda self: padded(self._padding, 1))
+    padding = property(lambda self: self._padding)  # row_check.PADDINGS: how calls are padded here
 
     def settle_padding(self, graph: Path, runtime: str) -> None:
-        """Decide whether one-token calls run padded, once the runtime can run: by the
-        row check's verdict for this host, runtime and lowered graph (row_check.py)."""
-        if not self._pad_single_row:  # float kernels: exact without it (tested)
+        """Decide how calls are padded, once the runtime can run: by the row check's
+        verdict for this host, runtime and lowered graph (row_check.py)."""
+        if not self._checks_rows:  # float kernels: exact without it (tested)
             return
         if self._drafting:  # a graph reloaded after draft_only(): no check needed
-            self._pad_single_row, self._padding_note = False, DRAFT_ROWS
+            self._padding, self._padding_note = "none", DRAFT_ROWS
             self.kernel_choice = DRAFT_ROWS
             return
         folder = cache_dir("row-check", self._model, check=CHECK_VERSION, host=host_signature(),
                            runtime=runtime, graph=str(graph), precision=self.precision.name)
-        self._pad_single_row = False  # the check runs one-token calls unpadded
+        self._padding = "none"  # the check pads the calls itself
         try:
             verdict = settle(self, folder, f"{self._model.source.name} {self.device.backend}:{self.device.device} "
                                            f"{self.precision.name}")
         finally:
-            self._pad_single_row = True
-        self._pad_single_row = verdict.pad
+            self._padding = "pairs"
+        self._padding = verdict.padding
         self._padding_note = verdict.describe()
         self.kernel_choice = self._padding_note
 
@@ -91,8 +94,8 @@ class GraphRunner(PooledRunner):
         whatever the row check found: the target verifies every proposal, and a sampled
         draft's q is its own call's, so a draft row need not round as in a verify."""
         self._drafting = True
-        if self._pad_single_row:
-            self._pad_single_row = False
+        if self._padding != "none":
+            self._padding = "none"
             self.kernel_choice = self.kernel_choice.replace(self._padding_note, DRAFT_ROWS)
             self._padding_note = DRAFT_ROWS
 
@@ -133,8 +136,8 @@ class GraphRunner(PooledRunner):
         slab = self._slabs[seq_id]
         n = len(tokens)
         # (the discarded row needs a slot of its own in the slab)
-        pad = self._pad_single_row and n == 1 and start + 1 < slab.shape[3]
-        ids = list(tokens) * 2 if pad else tokens
+        pad = padded(self._padding, n) and start + n < slab.shape[3]
+        ids = list(tokens) + list(tokens[-1:]) if pad else tokens
         feeds = {"input_ids": np.asarray(ids, dtype=np.int64),
                  "past_len": np.asarray(start, dtype=np.int64),
                  "window": np.asarray(self._window(start + len(ids), slab.shape[3]), dtype=np.int64),
@@ -163,11 +166,11 @@ class GraphRunner(PooledRunner):
         row rounds as it would in its sequence's own forward."""
         rows = [(list(it.tokens), list(range(it.start, it.start + len(it.tokens))), it.num_logits)
                 for it in items]
-        if self._pad_single_row and len(items) == 1 and len(items[0].tokens) == 1:
-            # one row alone would take the one-row kernel: run the row twice,
-            # at the same position (both write the same K/V), keep the first
-            (tok,), (pos,), _ = rows[0]
-            rows = [([tok, tok], [pos, pos], 2)]
+        if padded(self._padding, sum(len(r[0]) for r in rows)):
+            # the call's width would take the kernel's other path: the last row again,
+            # at the same position (both write the same K/V), its logits dropped
+            tokens, positions, computed = rows[-1]
+            rows[-1] = (tokens + tokens[-1:], positions + positions[-1:], computed + 1)
         for it in items:
             self._features.pop(it.seq_id, None)
         with ExitStack() as stack:

@@ -37,7 +37,7 @@ import torch
 from hetero_sd.backends.onnx_batch import PoolAttention
 from hetero_sd.backends.onnx_gqa import InPlaceAttention
 from hetero_sd.backends.onnx_blocks import gated_mlp, last_rows, moe, rms_norm, rope, softcap, split
-from hetero_sd.backends.onnx_weights import Builder, Linears
+from hetero_sd.backends.onnx_weights import Builder, Linears, wide_blocks
 from hetero_sd.ir.families.decoder import qkv_names, rope_cos_sin
 from hetero_sd.ir.model import ModelIR
 
@@ -70,7 +70,8 @@ def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, p
     model.check_weights()
     b = Builder(path.parent / DATA_FILE if path is not None else None)
     try:
-        proto = _build(model, b, Linears(b, model.weights, precision), progress, attention)
+        proto = _build(model, b, Linears(b, model.weights, precision, wide=wide_blocks(model.config)), progress,
+                       attention)
     finally:
         b.close()
     if path is not None:

@@ -24,7 +24,8 @@ _CPU_POLICY = {
              "u8 compressed weights (block 32), f32 compute, one-token calls padded unless a check at load "
              "finds one row exact on this host"),
     "int4": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
-             "u4 compressed weights (block 32; LM head u8), f32 compute, one-token calls padded unless a check at load "
+             "u4 compressed weights (blocks of 128 where the model allows, else 32; LM head u8), f32 compute, "
+             "calls padded unless a check at load "
              "finds one row exact on this host"),
     "gguf": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "a GGUF's own blocks as u4/u8 compressed constants with their scales and zero points, "

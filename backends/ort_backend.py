@@ -14,6 +14,7 @@ from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, Precisio
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
+from hetero_sd.backends.row_check import padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
@@ -26,13 +27,15 @@ GGUF_NOTE = ("a GGUF's own blocks, bit-exact: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1
 
 
 def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
-    # MatMulNBits may take a one-row path that rounds apart from its multi-row
-    # kernel (it does on AVX2 hosts): one-token calls then run padded to two
-    # rows, decided per host by a bitwise check at load (row_check.py).
-    checked = "one-token calls padded unless a check at load finds one row exact on this host"
+    # MatMulNBits may take a one-row path (AVX2 hosts, blocks of 32) or an odd
+    # call's tail (AVX-512 hosts, blocks of 128) that rounds apart from its main
+    # kernel: such calls then run one row longer, decided per host by a bitwise
+    # check at load (row_check.py).
+    checked = "calls padded (one row, or odd widths) as a check at load finds exact on this host"
     return (PrecisionInfo("fp32", True, _EXACT),
             PrecisionInfo("int8", True, f"weight-only MatMulNBits 8-bit; {checked}"),
-            PrecisionInfo("int4", True, f"weight-only MatMulNBits 4-bit (LM head 8-bit); {checked}"),
+            PrecisionInfo("int4", True, f"weight-only MatMulNBits 4-bit, blocks of 128 where "
+                          f"the model allows, else 32 (LM head 8-bit); {checked}"),
             PrecisionInfo("gguf", True, f"{GGUF_NOTE}; {checked}"))
 
 
@@ -157,7 +160,7 @@ class OrtRunner(GraphRunner):
         # sequences per call: the batched graph takes a server's running set (split above this)
         self.max_batch = 1 if self._inplace else 32
         self.kernel_choice = ""
-        self._pad_single_row = self.precision.name in _QUANTIZED  # each graph is checked on its own
+        self._padding = "pairs" if self._checks_rows else "none"  # each graph is checked on its own
         self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}")
         graph = "in-place attention, one sequence a call" if self._inplace else "batched graph"
         self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
@@ -197,11 +200,11 @@ class OrtRunner(GraphRunner):
             return self.forward_batch([BatchItem(seq_id, tokens, start, num_logits)])[0]
         n = len(tokens)
         self._features.pop(seq_id, None)
-        # (one row padded to two where the row check says the matmuls need it, row_check.py)
-        pad = self._pad_single_row and n == 1
+        # (one row longer where the row check says the matmuls need it, row_check.py)
+        pad = padded(self._padding, n)
         with self._alloc.writing(seq_id, start, n) as ext:
-            logits, features = self._inplace.run(seq_id, list(tokens) * 2 if pad else tokens, start,
-                                                 num_logits + pad, ext.reserved)
+            logits, features = self._inplace.run(seq_id, list(tokens) + list(tokens[-1:]) if pad else tokens,
+                                                 start, num_logits + pad, ext.reserved)
         if features is not None:
             self._features[seq_id] = features[:n]
         return logits[:num_logits]

@@ -1,27 +1,33 @@
-"""Does one row round as it does inside a multi-row call, on this host? A
-bitwise self-check, run once per host, runtime and lowered graph, cached.
+"""Does a row round as it does inside a call of any other width, on this host?
+A bitwise self-check, run once per host, runtime and lowered graph, cached.
 
-Quantized matmul kernels may take a one-row path (a GEMV) whose reduction
-order differs from their multi-row kernel: then a one-token decode rounds
-apart from the same row inside a verify, and speculative output could differ
-from target-only. Where that happens the graph runners run one-token calls as
-two rows (the token twice, the second discarded), which costs up to 40% of a
-step at 1.5B shapes. Whether it happens depends on the kernel the runtime
-picks for the host's instruction set (measured: onnxruntime's MatMulNBits
-rows are bitwise equal for M = 1..9 on an AVX-512/VNNI host and differ on an
-AVX2 one), so it is measured here, not assumed:
+Quantized matmul kernels may take a path for some call widths whose reduction
+order differs from their main kernel: a one-row path (a GEMV), or a tail that
+handles an odd call's last row alone. Then a one-token decode, or the last row
+of an odd-width verify, rounds apart from the same row elsewhere, and
+speculative output could differ from target-only. Measured: onnxruntime's
+MatMulNBits 4-bit blocks of 32 round every row alike on an AVX-512/VNNI host
+and one row apart on an AVX2 one; 4-bit blocks of 64 and 128 round an odd
+call's last row apart on AVX-512 hosts while every even call agrees. So the
+graph runners pad, and how is measured here, not assumed, for the cheapest
+padding that is exact, in this order:
 
-  for two context lengths, a prefix of random tokens, then 16 rows scored in
-  calls of 16, 5 and 2 rows, and each of the 16 again alone (unpadded);
-  every one-row result must equal its row in every multi-row call, bit for bit.
+  none    every call as it comes;
+  single  a one-token call runs as two rows (the token twice, the second discarded);
+  pairs   every call of an odd number of rows gets one more (its last row again).
 
+The check, for two context lengths: a prefix of random tokens, then 16 rows
+scored in one call (the reference), and again in calls of 1, 2, 3 and 5 rows
+padded as the candidate says; every row must equal its reference, bit for bit.
 Random tokens make every logit of every layer a witness: a kernel whose
-summation order differs for one row shows it in the last bits of almost every
-output. The verdict is cached (ir.cache) under the host's CPU model and flags (all
-of them, digested),
-the runtime's version and the graph's own cache key, so a new host, a runtime
-upgrade or another model checks again. HETERO_SD_PAD_SINGLE_ROW=1 (or 0)
-overrides the verdict (1 pads, 0 does not), for tests and experiments.
+summation order differs for a row shows it in the last bits of almost every
+output. pairs is exact wherever single or none is (it only adds even calls), so
+it is the padding forced by HETERO_SD_PAD_SINGLE_ROW=1; 0 forces none, and the
+names none/single/pairs force that one (tests and experiments). No exact
+padding at all is an error, never a silent fallback. The verdict is cached
+(ir.cache) under the host's CPU model and flags (all of them, digested), the
+runtime's version and the graph's own cache key, so a new host, a runtime
+upgrade or another model checks again.
 """
 from __future__ import annotations
 
@@ -35,33 +41,42 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero_sd.ir.errors import BackendError
+
 ENV = "HETERO_SD_PAD_SINGLE_ROW"
-CHECK_VERSION = 1  # bumped when the check itself changes: old verdicts miss
+CHECK_VERSION = 2  # bumped when the check itself changes: old verdicts miss
 CONTEXTS = (5, 37)  # prefix lengths the rows are scored after
-ROWS = 16  # rows scored per context, in calls of each width below
-WIDTHS = (16, 5, 2)
+ROWS = 16  # rows scored per context: once in one call (the reference), then in calls of WIDTHS
+WIDTHS = (1, 2, 3, 5)
+PADDINGS = ("none", "single", "pairs")  # cheapest first
 _FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
           "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
+_SAYS = {"none": ("calls unpadded", "a row rounds alike in calls of any width on this host"),
+         "single": ("one-token calls padded to two rows", "one row rounds apart on this host"),
+         "pairs": ("odd-width calls padded by one row (one-token calls to two)",
+                   "an odd call's last row rounds apart on this host")}
+
+
+def padded(padding: str, rows: int) -> bool:
+    """Does a call of `rows` rows get one more under this padding?"""
+    return (padding == "single" and rows == 1) or (padding == "pairs" and rows % 2 == 1)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    one_row_exact: bool  # one row rounds as inside a multi-row call: no padding needed
+    padding: str  # one of PADDINGS
     how: str  # "checked" | "cached" | "forced" | "not needed"
     detail: str = ""
 
     @property
     def pad(self) -> bool:
-        return not self.one_row_exact
+        return self.padding != "none"
 
     def describe(self) -> str:
+        what, why = _SAYS[self.padding]
         if self.how == "forced":
-            return f"one-token calls {'unpadded' if self.one_row_exact else 'padded to two rows'} ({self.detail})"
-        if self.one_row_exact:
-            what = "one-token calls unpadded: one row rounds as in a multi-row call on this host"
-        else:
-            what = "one-token calls padded to two rows: one row rounds apart on this host"
-        return f"{what} ({self.how}{': ' + self.detail if self.detail else ''})"
+            return f"{what} ({self.detail})"
+        return f"{what}: {why} ({self.how}{': ' + self.detail if self.detail else ''})"
 
 
 def host_signature() -> dict:
@@ -88,15 +103,17 @@ def host_signature() -> dict:
 
 def _forced() -> Verdict | None:
     value = os.environ.get(ENV, "").strip()
-    if value in ("1", "0"):
-        return Verdict(value == "0", "forced", f"{ENV}={value}")
+    padding = {"1": "pairs", "0": "none"}.get(value, value)
+    if padding in PADDINGS:
+        return Verdict(padding, "forced", f"{ENV}={value}")
     return None
 
 
 def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
-    """The verdict for `runner` (a graph runner whose one-token calls are unpadded
-    while this runs), from the override, the cache, or a check now. `label` names
-    the model and placement in the cache entry (hetero-sd devices lists them)."""
+    """The verdict for `runner` (a graph runner whose calls are unpadded while this
+    runs), from the override, the cache, or a check now: the cheapest exact padding.
+    `label` names the model and placement in the cache entry (hetero-sd devices lists
+    them). Raises BackendError where no padding makes the rows round alike."""
     forced = _forced()
     if forced is not None:
         return forced
@@ -104,19 +121,29 @@ def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
     if path is not None and path.exists():
         try:
             got = json.loads(path.read_text())
-            return Verdict(bool(got["one_row_exact"]), "cached", got.get("detail", ""))
+            if got["padding"] in PADDINGS:
+                return Verdict(got["padding"], "cached", got.get("detail", ""))
         except (OSError, ValueError, KeyError):
             pass  # a broken entry: check again
     t0 = time.perf_counter()
-    exact, detail = check(runner)
+    found = []
+    for padding in PADDINGS:
+        exact, detail = check(runner, padding)
+        found.append(f"{padding}: {detail}")
+        if exact:
+            break
+    else:
+        raise BackendError(f"{label or 'this graph'}: rows round apart between call widths under every padding "
+                           f"({'; '.join(found)}), so speculative output could differ from target-only; "
+                           "use precision fp32 or another backend on this host")
     detail = f"{detail}; {time.perf_counter() - t0:.1f} s"
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"one_row_exact": exact, "detail": detail, "host": host_signature(),
+        tmp.write_text(json.dumps({"padding": padding, "detail": detail, "host": host_signature(),
                                    "label": label}))
         os.replace(tmp, path)
-    return Verdict(exact, "checked", detail)
+    return Verdict(padding, "checked", detail)
 
 
 def cached_verdicts(root: Path) -> list[tuple[str, Verdict]]:
@@ -127,38 +154,38 @@ def cached_verdicts(root: Path) -> list[tuple[str, Verdict]]:
             got = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if got.get("host") == host:
-            out.append((got.get("label") or path.parent.name, Verdict(bool(got["one_row_exact"]), "cached",
+        if got.get("host") == host and got.get("padding") in PADDINGS:
+            out.append((got.get("label") or path.parent.name, Verdict(got["padding"], "cached",
                                                                      got.get("detail", ""))))
     return sorted(out, key=lambda item: item[0])
 
 
-def check(runner) -> tuple[bool, str]:
-    """(one row rounds as in multi-row calls, what was compared). The runner must run
-    one-token calls unpadded while this runs; its pool gets one sequence, released."""
+def check(runner, padding: str = "none") -> tuple[bool, str]:
+    """(every row of calls of WIDTHS, padded as `padding` says, equals its row in one
+    16-row call, what was compared or where it failed). The runner must run its calls
+    unpadded while this runs (the padding is applied here); its pool gets one sequence
+    at a time, released."""
     rng = np.random.default_rng(20261201)
     compared = 0
     for ctx in CONTEXTS:
-        seq = runner.allocate(ctx + ROWS + 1)
+        seq = runner.allocate(ctx + ROWS + 2)
         try:
             prefix = rng.integers(0, runner.vocab_size, ctx).tolist()
             rows = rng.integers(0, runner.vocab_size, ROWS).tolist()
             runner.forward(seq, prefix, 0, 1)
-            alone = []
-            for i, token in enumerate(rows):
-                alone.append(runner.forward(seq, [token], ctx + i, 1)[0])
+            reference = runner.forward(seq, rows, ctx, ROWS)
             for width in WIDTHS:
                 for lo in range(0, ROWS, width):
                     chunk = rows[lo:lo + width]
-                    if len(chunk) < 2:
-                        continue
+                    ids = chunk + chunk[-1:] if padded(padding, len(chunk)) else chunk
                     runner.truncate(seq, ctx + lo)
-                    got = runner.forward(seq, chunk, ctx + lo, len(chunk))
+                    got = runner.forward(seq, ids, ctx + lo, len(ids))[:len(chunk)]
                     for j, row in enumerate(got):
                         compared += 1
-                        if not np.array_equal(row, alone[lo + j]):
-                            return False, (f"row {lo + j} after {ctx} tokens differs alone and in a "
-                                           f"{len(chunk)}-row call")
+                        if not np.array_equal(row, reference[lo + j]):
+                            return False, (f"row {lo + j} after {ctx} tokens differs in a {len(chunk)}-row "
+                                           f"call{' (padded)' if len(ids) > len(chunk) else ''} and a {ROWS}-row one")
         finally:
             runner.release(seq)
-    return True, f"{compared} rows bitwise equal alone and in calls of {', '.join(map(str, WIDTHS))}"
+    return True, (f"{compared} rows bitwise equal in one {ROWS}-row call and in calls of "
+                  f"{', '.join(map(str, WIDTHS))}")

@@ -137,7 +137,8 @@ def _kernel(choice: str) -> str:
     """The row check's verdict, short (backends/row_check.py); "" for runners without one."""
     if not choice:
         return ""
-    return ("unpadded" if "unpadded" in choice else "padded") + (" (forced)" if "forced" in choice or
+    short = "unpadded" if "unpadded" in choice else "odd calls padded" if "odd-width" in choice else "padded"
+    return short + (" (forced)" if "forced" in choice or
                                                              "HETERO_SD_PAD" in choice else "")
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from hetero_sd.backends import row_check
 from hetero_sd.backends.registry import discover
+from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir import load_model_ir
 from helpers.tiny_models import random_prompt
 
@@ -90,17 +91,20 @@ def test_the_verdict_is_cached_per_host_and_rechecked_on_another(tiny_model_dir,
     monkeypatch.setattr("hetero_sd.backends.graph_runner.host_signature", row_check.host_signature)
     assert "(checked" in _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None).kernel_choice
     forced = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
-    assert forced.kernel_choice.endswith("one-token calls padded to two rows (HETERO_SD_PAD_SINGLE_ROW=1)")
+    assert forced.kernel_choice.endswith("odd-width calls padded by one row (one-token calls to two) "
+                                         "(HETERO_SD_PAD_SINGLE_ROW=1)")
 
 
 class _RoundsApart:
-    """A runner whose one-row calls round apart (as a GEMV path whose reduction order
-    differs): the check must say so, and settle must keep the padding."""
+    """A runner whose calls of some widths round apart (as a GEMV path, or a kernel tail
+    for an odd call's last row, whose reduction order differs): `apart(width)` says which
+    calls, after the first `apart_after` calls. The check must find the cheapest exact
+    padding, and settle must refuse where none is exact."""
 
     vocab_size = 7
 
-    def __init__(self, apart_after: int = 0):
-        self.kv, self.apart_after, self.calls = {}, apart_after, 0
+    def __init__(self, apart_after: int = 0, apart=lambda width: width == 1):
+        self.kv, self.apart_after, self.apart, self.calls = {}, apart_after, apart, 0
 
     def allocate(self, capacity):
         self.kv[len(self.kv)] = []
@@ -120,21 +124,42 @@ class _RoundsApart:
             rows.append(np.float32(sum(self.kv[seq]) / 3) * np.ones(self.vocab_size, np.float32))
         out = np.stack(rows[len(rows) - num_logits:])
         self.calls += 1
-        if len(tokens) == 1 and self.calls > self.apart_after:
-            out = out + np.float32(1e-6) * out  # the last bits differ
+        if self.apart(len(tokens)) and self.calls > self.apart_after:
+            out[-1] = out[-1] + np.float32(1e-6) * out[-1]  # the last row's last bits differ
         return out
 
 
 def test_a_one_row_path_that_rounds_apart_keeps_the_padding(tmp_path, monkeypatch):
     monkeypatch.delenv(row_check.ENV, raising=False)
     exact, detail = row_check.check(_RoundsApart())
-    assert not exact and "differs alone and in a" in detail
-    assert row_check.check(_RoundsApart(apart_after=10_000)) == (True, row_check.check(
-        _RoundsApart(apart_after=10_000))[1])
+    assert not exact and "differs in a 1-row call and a 16-row one" in detail
+    assert row_check.check(_RoundsApart(), "single")[0] and row_check.check(_RoundsApart(), "pairs")[0]
+    assert row_check.check(_RoundsApart(apart_after=10_000))[0]
     verdict = row_check.settle(_RoundsApart(), tmp_path)
-    assert verdict.pad and verdict.how == "checked"
+    assert verdict.padding == "single" and verdict.pad and verdict.how == "checked"
     assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).how == "cached"  # keyed by folder
-    assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).pad  # the cached verdict stands
+    assert row_check.settle(_RoundsApart(apart_after=10_000), tmp_path).padding == "single"  # the cached verdict stands
+
+
+def test_an_odd_calls_last_row_that_rounds_apart_pads_odd_calls(tmp_path, monkeypatch):
+    """As MatMulNBits' 4-bit blocks of 64 and 128 on AVX-512 hosts: padding one-token
+    calls alone leaves a 3- or 5-row verify's last row apart, so the check goes on to
+    pairs, and a runner that pads so rounds every row alike."""
+    monkeypatch.delenv(row_check.ENV, raising=False)
+    odd = lambda width: width % 2 == 1  # noqa: E731
+    exact, detail = row_check.check(_RoundsApart(apart=odd), "single")
+    assert not exact and "differs in a 3-row call" in detail
+    assert row_check.check(_RoundsApart(apart=odd), "pairs")[0]
+    assert row_check.settle(_RoundsApart(apart=odd), tmp_path).padding == "pairs"
+    assert row_check.padded("pairs", 5) and not row_check.padded("pairs", 4) and row_check.padded("single", 1)
+    assert not row_check.padded("single", 3) and not row_check.padded("none", 1)
+
+
+def test_no_exact_padding_is_an_error_not_a_guess(tmp_path, monkeypatch):
+    monkeypatch.delenv(row_check.ENV, raising=False)
+    with pytest.raises(BackendError, match="every padding"):
+        row_check.settle(_RoundsApart(apart=lambda width: width < 16), tmp_path, "tiny int4")
+    assert not (tmp_path / "row_check.json").exists()  # nothing cached: a later load checks again
 
 
 @pytest.mark.parametrize("backend,precision,batches", [("onnxruntime", "int4", False), ("onnxruntime", "int4", True),
@@ -160,3 +185,19 @@ def test_a_draft_runner_runs_one_token_calls_unpadded(tiny_model_dir, monkeypatc
         r.forward(seq, prompt, 0, 1)
         got.append(np.stack([r.forward(seq, [t], 9 + i, 1)[0] for i, t in enumerate(cont)]))
     assert np.array_equal(got[0], got[1])
+
+
+def test_int4_takes_blocks_of_128_only_where_every_layer_can():
+    """Blocks of 128 need pairs padding on some hosts; a model where some layer could not
+    take them (SmolLM2's hidden 576) keeps blocks of 32 everywhere, so it pays no padding
+    for a partial gain (backends/onnx_weights.py)."""
+    from types import SimpleNamespace
+
+    from hetero_sd.backends.onnx_weights import requant_block, wide_blocks
+
+    qwen = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_heads=12, head_dim=128)
+    smol = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9, head_dim=64)
+    assert wide_blocks(qwen) and not wide_blocks(smol)
+    assert requant_block(1536, 4, wide=True) == 128 and requant_block(1536, 8, head=True, wide=True) == 64
+    assert requant_block(1536, 8, wide=True) == 32  # int8's weights
+    assert requant_block(1536, 4) == requant_block(576, 4, wide=True) == 32
