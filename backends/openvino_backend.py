@@ -25,8 +25,7 @@ _CPU_POLICY = {
              "finds one row exact on this host"),
     "int4": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "u4 compressed weights (blocks of 128 where the model allows, else 32; LM head u8), f32 compute, "
-             "calls padded unless a check at load "
-             "finds one row exact on this host"),
+             "calls padded (one row, or odd widths) as a check at load finds exact on this host"),
     "gguf": ({"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}, True,
              "a GGUF's own blocks as u4/u8 compressed constants with their scales and zero points, "
              "block minimums as their own matmul: bit-exact weights (types without a block form, fp32); "

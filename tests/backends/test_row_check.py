@@ -201,3 +201,17 @@ def test_int4_takes_blocks_of_128_only_where_every_layer_can():
     assert requant_block(1536, 4, wide=True) == 128 and requant_block(1536, 8, head=True, wide=True) == 64
     assert requant_block(1536, 8, wide=True) == 32  # int8's weights
     assert requant_block(1536, 4) == requant_block(576, 4, wide=True) == 32
+
+
+@pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, backend, pad):
+    """A model whose every K is a multiple of 128 (rows of 256 here) gets int4 blocks of 128,
+    whose odd calls round their last row apart on some hosts: with the padding the check
+    picks (or pairs, forced), a one-token decode equals row i of every 1..16-row verify."""
+    folder = tiny_model_dir("qwen2-wide")
+    from hetero_sd.backends.onnx_weights import wide_blocks
+
+    assert wide_blocks(load_model_ir(folder).config)
+    runner = _load(backend, folder, "int4", monkeypatch, pad)
+    assert _invariant(runner) == []
