@@ -63,6 +63,23 @@ def test_token_level_intersection_keeps_the_target_distribution(params):
     assert 0 < accepted < drafted  # both outcomes of the acceptance test happened
 
 
+def test_a_restricted_head_keeps_the_target_distribution():
+    """A draft head scoring only its first 3 ids (vocab: 3; it never proposes </s>): the
+    bridge covers those, and Token-Level Intersection still keeps the target's distribution."""
+    from hetero_sd.drafting.cross_vocab import VocabBridge
+    from helpers.table_model import LetterCodec
+
+    target = TableRunner(4, seed=0)
+    bridge = VocabBridge(LetterCodec("abc", unknown=2), LetterCodec("bad", unknown=2), 4, 3)
+    assert bridge.to_target.tolist() == [1, 0, -1]
+    engine = Engine(target, CrossVocabDrafter(TableRunner(3, seed=3, scale=1.0), bridge), k=3)
+    params = SamplingParams(1.0)
+    counts, drafted, accepted = _emitted(engine, params)
+    p_value = chi_square_p(counts, exact_joint(target, params, PROMPT, NEW), N)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e}"
+    assert 0 < accepted < drafted
+
+
 class _Unrestricted(CrossVocabDrafter):
     """Wrong: draws from the whole q (a token the target lacks ends the draft) and
     reports that q, not the one its proposals actually come from."""
@@ -263,15 +280,31 @@ def test_automatic_placement_plans_a_draft_of_another_tokenizer(tiny_model_dir, 
 
 
 def test_what_a_draft_of_another_tokenizer_cannot_do_is_refused(tiny_model_dir, foreign_draft, tmp_path):
-    """A cascade stage verifies its inner drafter's target ids, and vocab: restricts to the
-    target's first ids: neither means anything for another tokenizer; each error says why."""
-    from hetero_sd.errors import ConfigError
+    """A cascade stage verifies its inner drafter's target ids: that means nothing for
+    another tokenizer, and the error says why; so does a vocab: past the draft's own."""
+    from hetero_sd.errors import ConfigError, HeteroSDError
 
     target = f"model: {tiny_model_dir('llama')}"
     with pytest.raises(ConfigError, match="cascade stage verifies its inner drafter's token ids"):
         _from_yaml(tmp_path, target, f"kind: ngram, k: 3, stages: [{{model: {foreign_draft}, k: 2}}]")
-    with pytest.raises(ConfigError, match="a draft of another tokenizer does not share"):
-        _from_yaml(tmp_path, target, f"kind: model, model: {foreign_draft}, vocab: 100")
+    with pytest.raises(HeteroSDError, match=f"outside 1..{DRAFT_VOCAB}"):
+        _from_yaml(tmp_path, target, f"kind: model, model: {foreign_draft}, vocab: {DRAFT_VOCAB + 1}")
+
+
+def test_a_draft_of_another_tokenizer_with_a_restricted_head(tiny_model_dir, foreign_draft, tmp_path):
+    """vocab: N restricts a draft of another tokenizer to its own first N ids (a cheaper
+    head): the bridge maps those alone, and greedy output stays the target's for k = 1..8
+    (sampling: test_a_restricted_head_keeps_the_target_distribution)."""
+    from helpers.tiny_models import make_tokenizer
+
+    engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}, backend: onnxruntime, precision: int4",
+                        f"kind: model, model: {foreign_draft}, backend: onnxruntime, precision: fp32, "
+                        "vocab: 200, k: 3")
+    drafter = engine._drafter.default
+    assert isinstance(drafter, CrossVocabDrafter)
+    assert drafter.runner.vocab_size == 200 == len(drafter.bridge.to_target) and drafter.bridge.shared.any()
+    prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
+    _assert_lossless_for_every_k(engine, prompt, 40)
 
 
 def test_vocabularies_that_share_nothing_are_refused():
