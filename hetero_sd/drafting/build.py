@@ -44,8 +44,10 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
         return HeadDrafter(load_head(spec, load), target_vocab)
     if isinstance(spec, HybridSpec):
         s = spec.suffix
+        # a draft model's min_prob bounds its drafts; a head's weak rounds are gated by its rate
+        gate = None if isinstance(spec.head, ModelSpec) else 0.35
         return HybridDrafter(SuffixDrafter(s.max_depth, s.factor, s.min_token_prob, s.max_cached_requests),
-                             build_drafter(spec.head, target_vocab, load), spec.min_match)
+                             build_drafter(spec.head, target_vocab, load), spec.min_match, gate)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)
         try:

@@ -3,8 +3,8 @@ draft model: `head` is any drafter) elsewhere.
 
 Each round the suffix drafter (cheap: a tree walk) drafts first. When its match
 is long (>= min_match tokens of context seen before) and it proposes, its draft
-goes. Otherwise the head drafts if its drafts have lately been accepted at
-least `min_head_rate` of the time (below that a draft's verify costs more than
+goes. Otherwise a draft model drafts (min_head_rate None), and a head drafts if
+its drafts have lately been accepted at least `min_head_rate` of the time (below that a draft's verify costs more than
 it brings: a head trained on little data) and at least as often as the suffix
 drafter's short-match drafts (running averages, both starting at 0.5); one
 round in EXPLORE still tries the head, so a head that warms up to the text is
@@ -32,7 +32,10 @@ class HybridDrafter(Drafter):
     name = "hybrid"
     can_fork = True
 
-    def __init__(self, suffix: SuffixDrafter, head: Drafter, min_match: int = 4, min_head_rate: float = 0.35):
+    def __init__(self, suffix: SuffixDrafter, head: Drafter, min_match: int = 4, min_head_rate: float | None = 0.35):
+        """min_head_rate None: the head drafts in every round the suffix's match is short (a
+        draft model, whose own min_prob decides how far it drafts; gating it by its running
+        rate turned it off for good after one hard prompt)."""
         if min_match < 1:
             raise ConfigError(f"hybrid drafter: min_match must be >= 1, got {min_match}")
         self.suffix, self.head, self.min_match, self.min_head_rate = suffix, head, min_match, min_head_rate
@@ -64,7 +67,8 @@ class HybridDrafter(Drafter):
         if found.tokens and self.suffix.match_len >= self.min_match:
             return self._skip_head(req, found, None)
         head = self.rate["head"]
-        worth = head >= self.min_head_rate and (not found.tokens or head >= self.rate["short"])
+        worth = self.min_head_rate is None or (
+            head >= self.min_head_rate and (not found.tokens or head >= self.rate["short"]))
         if worth or self._rounds % EXPLORE == 0:
             self.picks["head"] += 1
             self._last = "head"

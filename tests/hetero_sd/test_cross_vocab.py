@@ -332,3 +332,53 @@ def test_a_draft_model_runs_unpadded_beside_a_padded_target(tiny_model_dir, fore
     assert "draft_only" in engine.drafter.runner.kernel_choice
     prompt = make_tokenizer().encode("The capital of France is Paris. How many legs", add_special_tokens=False)
     _assert_lossless_for_every_k(engine, prompt, 32)
+
+
+class _ShortMatches:
+    """A suffix drafter whose match is always short (one token)."""
+
+    match_len = 1
+
+    def draft(self, req):
+        from hetero_sd.ir.work import DraftResult
+
+        return DraftResult(req.seq_id, [7][:req.k], None)
+
+
+class _Refused:
+    """A head or draft model whose drafts the target never accepts; counts its drafting rounds."""
+
+    feature_layers = ()
+
+    def __init__(self):
+        self.rounds = 0
+
+    def draft(self, req):
+        from hetero_sd.ir.work import DraftResult
+
+        self.rounds += req.k > 0
+        return DraftResult(req.seq_id, [5] * req.k, None)
+
+
+def test_a_hybrid_gates_a_head_by_its_rate_but_not_a_draft_model():
+    """A head whose drafts are refused is soon passed over for short suffix matches (its
+    running rate falls below min_head_rate); a draft model (min_head_rate None, as
+    build() makes it for hybrid_with: model) drafts in every round without a long match."""
+    from hetero_sd.drafting.hybrid import HybridDrafter
+    from hetero_sd.ir.work import DraftRequest
+
+    rounds = {}
+    for gate in (0.35, None):
+        head = _Refused()
+        hybrid = HybridDrafter(_ShortMatches(), head, min_match=4, min_head_rate=gate)
+        for _ in range(40):
+            hybrid.draft(DraftRequest(0, 10, 3, [], context=list(range(10))))
+            hybrid.observe(3, 0)
+        rounds[gate] = head.rounds
+    assert rounds[None] == 40 and rounds[0.35] < 10, rounds
+
+
+def test_build_ungates_a_hybrid_draft_model(tiny_model_dir, foreign_draft, tmp_path):
+    engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}",
+                        f"kind: hybrid, hybrid_with: model, model: {foreign_draft}, k: 3")
+    assert engine._drafter.default.min_head_rate is None
