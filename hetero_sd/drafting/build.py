@@ -16,7 +16,7 @@ from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.cascade import CascadeDrafter
 from hetero_sd.drafting.cross_vocab import CrossVocabDrafter, TokenizerCodec, VocabBridge
 from hetero_sd.drafting.head import HeadDrafter
-from hetero_sd.drafting.hybrid import HybridDrafter
+from hetero_sd.drafting.hybrid import HEAD_MIN_RATE, HybridDrafter
 from hetero_sd.drafting.model import ModelDrafter
 from hetero_sd.drafting.ngram import NgramDrafter
 from hetero_sd.drafting.remote import RemoteDrafter
@@ -45,7 +45,7 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, HybridSpec):
         s = spec.suffix
         # a draft model's min_prob bounds its drafts; a head's weak rounds are gated by its rate
-        gate = None if isinstance(spec.head, ModelSpec) else 0.35
+        gate = None if isinstance(spec.head, ModelSpec) else HEAD_MIN_RATE
         return HybridDrafter(SuffixDrafter(s.max_depth, s.factor, s.min_token_prob, s.max_cached_requests),
                              build_drafter(spec.head, target_vocab, load), spec.min_match, gate)
     if isinstance(spec, CascadeSpec):

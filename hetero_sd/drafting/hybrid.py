@@ -4,8 +4,9 @@ draft model: `head` is any drafter) elsewhere.
 Each round the suffix drafter (cheap: a tree walk) drafts first. When its match
 is long (>= min_match tokens of context seen before) and it proposes, its draft
 goes. Otherwise a draft model drafts (min_head_rate None), and a head drafts if
-its drafts have lately been accepted at least `min_head_rate` of the time (below that a draft's verify costs more than
-it brings: a head trained on little data) and at least as often as the suffix
+its drafts have lately been accepted at least `min_head_rate` of the time
+(below that a draft's verify costs more than it brings: a head trained on
+little data) and at least as often as the suffix
 drafter's short-match drafts (running averages, both starting at 0.5); one
 round in EXPLORE still tries the head, so a head that warms up to the text is
 picked again. With neither, the round drafts nothing. Both see every round's context (and the
@@ -26,13 +27,14 @@ from hetero_sd.ir.work import DraftRequest, DraftResult
 
 
 EXPLORE = 64  # one round in this many tries a head below the bar, to keep its average current
+HEAD_MIN_RATE = 0.35  # a head's bar (min_head_rate); a draft model has none
 
 
 class HybridDrafter(Drafter):
     name = "hybrid"
     can_fork = True
 
-    def __init__(self, suffix: SuffixDrafter, head: Drafter, min_match: int = 4, min_head_rate: float | None = 0.35):
+    def __init__(self, suffix: SuffixDrafter, head: Drafter, min_match: int = 4, min_head_rate: float | None = HEAD_MIN_RATE):
         """min_head_rate None: the head drafts in every round the suffix's match is short (a
         draft model, whose own min_prob decides how far it drafts; gating it by its running
         rate turned it off for good after one hard prompt)."""
