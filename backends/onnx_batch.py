@@ -32,6 +32,7 @@ from hetero_sd.backends.onnx_blocks import softcap
 
 class PoolAttention:
     takes_qkv = False  # attend() takes roped q and the new k/v
+    domains: tuple[str, ...] = ()  # custom-op domains the graph imports (onnx_native.py)
 
     def __init__(self, b, cfg):
         self.b, self.cfg = b, cfg

@@ -36,16 +36,16 @@ def native_rope(cfg) -> bool:
     return cfg.rope_dim // 2 % 8 == 0
 
 
-def _rope_caches(b, cfg) -> dict:
+def _rope_caches(b, cfg, half: bool | None = None) -> dict:
     """cos and sin per RoPE kind (local or not), one row per position and one
     more, where the repeated row of a one-token call at the last position sits:
     [positions + 1, rope_dim / 2] for the op, or [.., rope_dim] for our own
-    RoPE nodes (onnx_blocks.rope)."""
+    RoPE nodes (onnx_blocks.rope); `half` forces the op's (None: as native_rope)."""
     import torch
 
     from hetero_sd.ir.families.decoder import rope_cos_sin
 
-    width = cfg.rope_dim // 2 if native_rope(cfg) else cfg.rope_dim
+    width = cfg.rope_dim // 2 if (native_rope(cfg) if half is None else half) else cfg.rope_dim
     positions = torch.arange(cfg.max_position_embeddings + 1)
     caches = {}
     for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}:
@@ -105,6 +105,8 @@ class InPlaceAttention:
     """One sequence, its slab bound in place (the module docstring)."""
 
     takes_qkv = True  # attend_qkv(): RoPE, norms and attention from the fused q/k/v rows
+    domains: tuple[str, ...] = ()  # custom-op domains the graph imports (onnx_native.py)
+    pads_rows = True  # a one-token call attends on two rows (the module docstring)
 
     def __init__(self, b, cfg):
         self.b, self.cfg = b, cfg

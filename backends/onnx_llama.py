@@ -36,6 +36,7 @@ import torch
 
 from hetero_sd.backends.onnx_batch import PoolAttention
 from hetero_sd.backends.onnx_gqa import InPlaceAttention
+from hetero_sd.backends.onnx_native import NativeAttention
 from hetero_sd.backends.onnx_blocks import gated_mlp, last_rows, moe, rms_norm, rope, softcap, split
 from hetero_sd.backends.onnx_weights import Builder, Linears, wide_blocks
 from hetero_sd.ir.families.decoder import qkv_names, rope_cos_sin
@@ -55,8 +56,9 @@ def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str, ca
 
 
 # how rows find their keys: one sequence's slab, several gathered from the pool
-# (onnx_batch.py), onnxruntime's attention op on one slab in place (onnx_gqa.py)
-ATTENTION = ("slab", "pool", "inplace")
+# (onnx_batch.py), onnxruntime's attention op on one slab in place (onnx_gqa.py),
+# or our own op on one slab in place (onnx_native.py)
+ATTENTION = ("slab", "pool", "inplace", "native")
 
 
 def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None,
@@ -96,7 +98,8 @@ def _build(model: ModelIR, b: Builder, linear: Linears, progress, attention: str
     # sequences gathered from the whole pool (onnx_batch.py), or onnxruntime's
     # attention op on one slab in place (onnx_gqa.py). Everything else is the
     # same graph, so a row rounds alike in the first two.
-    kv = {"slab": SlabAttention, "pool": PoolAttention, "inplace": InPlaceAttention}[attention](b, cfg)
+    kv = {"slab": SlabAttention, "pool": PoolAttention, "inplace": InPlaceAttention,
+          "native": NativeAttention}[attention](b, cfg)
     ropes = {} if kv.takes_qkv else {
         local: _rope_tables(b, cfg, kv.q_pos, local) for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}}
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output
@@ -195,6 +198,7 @@ class SlabAttention:
     """One sequence: its slab's per-layer views are the past inputs."""
 
     takes_qkv = False  # attend() takes roped q and the new k/v
+    domains: tuple[str, ...] = ()  # custom-op domains the graph imports (onnx_native.py)
 
     def __init__(self, b: Builder, cfg):
         self.b, self.cfg = b, cfg
@@ -273,6 +277,7 @@ def _make_model(b: Builder, cfg, kv) -> onnx.ModelProto:
     if kv.takes_qkv:
         outputs += kv.outputs()
     graph = helper.make_graph(b.nodes, "hetero_sd_llama", kv.inputs(), outputs, b.inits)
+    domains = [helper.make_opsetid(d, 1) for d in kv.domains]  # custom ops' domains
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                   helper.make_opsetid("com.microsoft", 1)],
+                                                   helper.make_opsetid("com.microsoft", 1), *domains],
                              producer_name="hetero-sd")

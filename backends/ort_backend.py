@@ -14,6 +14,8 @@ from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, Precisio
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
+from hetero_sd.backends.native import attention_available, attention_library
+from hetero_sd.backends.onnx_native import native_fits
 from hetero_sd.backends.row_check import padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError
@@ -75,7 +77,7 @@ def _inplace_tested() -> bool:
     return tuple(int(p) for p in ort.__version__.split(".")[:2]) >= INPLACE_SINCE
 
 
-def session_options(threads: int):
+def session_options(threads: int, libraries=()):
     """Options of every session this backend opens. Its threads spin while a run is
     under way (waking them per op costs) but stop when the run returns: a draft
     and a target in one process run in turn, and a pool still spinning after its
@@ -88,6 +90,8 @@ def session_options(threads: int):
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     opts.add_session_config_entry("session.force_spinning_stop", "1")
+    for lib in libraries:  # custom ops (backends/native)
+        opts.register_custom_ops_library(str(lib))
     return opts
 
 
@@ -95,7 +99,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
     attention: "slab" (one sequence), "pool" (several per call, onnx_batch.py)
-    or "inplace" (onnxruntime's attention op on the slab, onnx_gqa.py)."""
+    "inplace" (onnxruntime's attention op on the slab, onnx_gqa.py) or "native" (our
+    SlabAttention on the slab, onnx_native.py)."""
     from importlib.metadata import version
 
     import onnxruntime as ort
@@ -113,7 +118,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
 
     def build(path):
         if progress is not None:
-            kind = {"pool": " (batched graph)", "inplace": " (in-place attention)"}.get(attention, "")
+            kind = {"pool": " (batched graph)", "inplace": " (in-place attention)",
+                    "native": " (in-place SlabAttention)"}.get(attention, "")
             progress(0, 0, f"lowering to ONNX{kind}, {precision} weights (once; cached)")
         build_llama_onnx(model, precision, path, progress, attention=attention)
 
@@ -146,23 +152,34 @@ class OrtRunner(GraphRunner):
         super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
         self._inplace: InPlaceGraph | None = None
         self._progress = progress
-        self._load("inplace" if info.device == "cpu" and _inplace_tested() else "pool")
+        self._load(self._one_sequence_graph() if info.device == "cpu" and _inplace_tested() else "pool")
+
+    def _one_sequence_graph(self) -> str:
+        """Our SlabAttention where it covers the model and compiles here (onnx_native.py),
+        else onnxruntime's GroupQueryAttention; kernel_choice says which and why."""
+        fits, why = native_fits(self._model.config)
+        if fits:
+            fits, why = attention_available()
+        self._attention_note = "attention by our SlabAttention, compiled for this host" if fits else \
+            f"attention by GroupQueryAttention (SlabAttention: {why})"
+        return "native" if fits else "inplace"
 
     def _load(self, attention: str) -> None:
         import onnxruntime as ort
 
         path = export_onnx(self._model, self.precision.name, self._progress, attention=attention)
+        self._libraries = (attention_library(),) if attention == "native" else ()
         self._session = self._open(path)
         self._outputs = [o.name for o in self._session.get_outputs()]
         features = len(self.feature_layers) * self._model.config.hidden_size
         self._inplace = InPlaceGraph(self._session, self._layers, self.vocab_size, features) \
-            if attention == "inplace" else None
+            if attention in ("inplace", "native") else None
         # sequences per call: the batched graph takes a server's running set (split above this)
         self.max_batch = 1 if self._inplace else 32
         self.kernel_choice = ""
         self._padding = "pairs" if self._checks_rows else "none"  # each graph is checked on its own
         self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}")
-        graph = "in-place attention, one sequence a call" if self._inplace else "batched graph"
+        graph = f"in-place {self._attention_note}, one sequence a call" if self._inplace else "batched graph"
         self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
 
     def serve_batches(self) -> None:
@@ -176,8 +193,8 @@ class OrtRunner(GraphRunner):
         self._load("pool")
 
     def allocate(self, capacity: int) -> int:
-        # the in-place graph's attention writes one row past a one-token call (onnx_gqa.py)
-        seq = super().allocate(capacity + (self._inplace is not None))
+        # GroupQueryAttention's graph writes one row past a one-token call (onnx_gqa.py)
+        seq = super().allocate(capacity + (self._inplace is not None and self._inplace.pads_rows))
         if self._inplace is not None:
             self._inplace.bind(seq, self._slabs[seq])
         return seq
@@ -190,7 +207,7 @@ class OrtRunner(GraphRunner):
     def _open(self, path):
         import onnxruntime as ort
 
-        opts = session_options(len(os.sched_getaffinity(0)))
+        opts = session_options(len(os.sched_getaffinity(0)), self._libraries)
         provider = next((p for p, d in _PROVIDERS.items() if self.device.device.startswith(d)),
                         "CPUExecutionProvider")
         return ort.InferenceSession(str(path), opts, providers=[provider])

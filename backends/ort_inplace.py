@@ -19,6 +19,9 @@ class InPlaceGraph:
     def __init__(self, session, num_layers: int, vocab: int, features: int):
         """features: the width of the features output (0: the graph has none)."""
         self._session, self._layers = session, num_layers
+        # GroupQueryAttention's graph attends on two rows at least (onnx_gqa.py); our
+        # SlabAttention's on the call's own rows (onnx_native.py), with no row inputs
+        self.pads_rows = "att_rows" in {i.name for i in session.get_inputs()}
         self._widths = {"logits": vocab, **({"features": features} if features else {})}
         self._bindings: dict[int, object] = {}
         # output buffers by name and row count, bound per call: reading outputs back
@@ -43,14 +46,15 @@ class InPlaceGraph:
             ) -> tuple[np.ndarray, np.ndarray | None]:
         """Logits [num_logits, vocab] (and features [T, .]) of tokens at start.., copies."""
         n = len(tokens)
-        rows = max(n, 2)  # attention runs on two rows at least (onnx_gqa.py)
+        rows = max(n, 2) if self.pads_rows else n  # (onnx_gqa.py: two rows at least)
         if start + rows > reserved:
             raise KVBudgetError(f"sequence {seq_id}: a call at {start} of {n} rows needs {start + rows} slots, "
                                 f"{reserved} are reserved")
         io = self._bindings[seq_id]
         io.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
-        io.bind_cpu_input("att_rows", np.minimum(np.arange(rows), n - 1))
-        io.bind_cpu_input("seqlens_k", np.array([start + rows - 1], dtype=np.int32))
+        if self.pads_rows:
+            io.bind_cpu_input("att_rows", np.minimum(np.arange(rows), n - 1))
+            io.bind_cpu_input("seqlens_k", np.array([start + rows - 1], dtype=np.int32))
         io.bind_cpu_input("total_len", np.array(start + rows, dtype=np.int32))
         io.bind_cpu_input("num_logits", np.array(num_logits, dtype=np.int64))
         outs = {name: self._buffer(io, name, num_logits if name == "logits" else n) for name in self._widths}

@@ -215,3 +215,15 @@ def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, 
     assert wide_blocks(load_model_ir(folder).config)
     runner = _load(backend, folder, "int4", monkeypatch, pad)
     assert _invariant(runner) == []
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_dir, monkeypatch, precision, variant):
+    """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1) in the in-place
+    graph: a one-token call is one row everywhere, no second attention row."""
+    monkeypatch.setenv("HETERO_SD_NATIVE", "1")
+    runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, None)
+    assert "our SlabAttention" in runner.kernel_choice
+    assert not runner._inplace.pads_rows
+    assert _invariant(runner) == []

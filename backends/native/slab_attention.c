@@ -1,0 +1,398 @@
+/* Attention over a sequence's KV slab, one query row at a time, as an onnxruntime
+ * custom op (domain "hetero_sd.native", op "SlabAttention").
+ *
+ * Why: onnxruntime's GroupQueryAttention rounds a one-row call apart from a row of a
+ * longer call (its one-row GEMM path), so the graph ran attention on two rows at
+ * least, and on a CPU it costs ~0.45 us per cached position per layer on the 1.5B
+ * (3x its memory bound), so decode slowed with the context faster than llama.cpp's.
+ * Here every (row, head) runs the same loop over its own positions in a fixed order
+ * whatever the call's width: a row rounds alike alone or in any verify, by
+ * construction, and reads the slab once per head.
+ *
+ * Inputs:  qkv [T, (H + 2 Hkv) D] float, past_k / past_v [1, Hkv, R, D] float,
+ *          total_len int32 [] (past + T), cos / sin [P, rd / 2] float (RoPE tables,
+ *          rotate-half layout; ignored when rotary = 0).
+ * Outputs: out [T, H D], present_k / present_v [1, Hkv, R, D]: bound to the same
+ *          memory as the past inputs (the runner's I/O binding), only the T new rows
+ *          are written; otherwise the past rows are copied first.
+ * Attributes: num_heads, kv_num_heads, rotary (0/1), scale (float).
+ *
+ * The onnxruntime C API is declared here by slot (its header is not installed with
+ * the wheel): only the functions used, each at its fixed index in OrtApi, which the
+ * API only ever appends to. GetApi(17) is the first with KernelContext_ParallelFor.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtValue OrtValue;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtTensorTypeAndShapeInfo OrtShape;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtSessionOptions OrtSessionOptions;
+
+typedef struct OrtApi {
+  OrtStatus* (*CreateStatus)(int code, const char* msg);                                  /* 0 */
+  void* s1_25[25];
+  OrtStatus* (*CreateCustomOpDomain)(const char*, OrtCustomOpDomain**);                   /* 26 */
+  OrtStatus* (*CustomOpDomain_Add)(OrtCustomOpDomain*, const void* op);                   /* 27 */
+  OrtStatus* (*AddCustomOpDomain)(OrtSessionOptions*, OrtCustomOpDomain*);                /* 28 */
+  void* s29_50[22];
+  OrtStatus* (*GetTensorMutableData)(OrtValue*, void**);                                  /* 51 */
+  void* s52_60[9];
+  OrtStatus* (*GetDimensionsCount)(const OrtShape*, size_t*);                             /* 61 */
+  OrtStatus* (*GetDimensions)(const OrtShape*, int64_t*, size_t);                         /* 62 */
+  void* s63_64[2];
+  OrtStatus* (*GetTensorTypeAndShape)(const OrtValue*, OrtShape**);                       /* 65 */
+  void* s66_84[19];
+  OrtStatus* (*KernelInfoGetAttribute_float)(const OrtKernelInfo*, const char*, float*);  /* 85 */
+  OrtStatus* (*KernelInfoGetAttribute_int64)(const OrtKernelInfo*, const char*, int64_t*);/* 86 */
+  void* s87_89[3];
+  OrtStatus* (*KernelContext_GetInput)(const OrtKernelContext*, size_t, const OrtValue**); /* 90 */
+  OrtStatus* (*KernelContext_GetOutput)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**); /* 91 */
+  void* s92;
+  void (*ReleaseStatus)(OrtStatus*);                                                      /* 93 */
+  void* s94_98[5];
+  void (*ReleaseTensorTypeAndShapeInfo)(OrtShape*);                                       /* 99 */
+  void* s100_273[174];
+  OrtStatus* (*KernelContext_ParallelFor)(const OrtKernelContext*, void (*)(void*, size_t),
+                                          size_t, size_t, void*);                         /* 274 */
+} OrtApi;
+_Static_assert(offsetof(OrtApi, CreateCustomOpDomain) / sizeof(void*) == 26, "slot");
+_Static_assert(offsetof(OrtApi, GetTensorMutableData) / sizeof(void*) == 51, "slot");
+_Static_assert(offsetof(OrtApi, GetTensorTypeAndShape) / sizeof(void*) == 65, "slot");
+_Static_assert(offsetof(OrtApi, KernelInfoGetAttribute_int64) / sizeof(void*) == 86, "slot");
+_Static_assert(offsetof(OrtApi, KernelContext_GetOutput) / sizeof(void*) == 91, "slot");
+_Static_assert(offsetof(OrtApi, ReleaseTensorTypeAndShapeInfo) / sizeof(void*) == 99, "slot");
+_Static_assert(offsetof(OrtApi, KernelContext_ParallelFor) / sizeof(void*) == 274, "slot");
+
+typedef struct OrtApiBase {
+  const OrtApi* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)(void);
+} OrtApiBase;
+
+typedef struct OrtCustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
+  const char* (*GetName)(const struct OrtCustomOp*);
+  const char* (*GetExecutionProviderType)(const struct OrtCustomOp*);
+  int (*GetInputType)(const struct OrtCustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const struct OrtCustomOp*);
+  int (*GetOutputType)(const struct OrtCustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const struct OrtCustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const struct OrtCustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const struct OrtCustomOp*, size_t);
+  int (*GetInputMemoryType)(const struct OrtCustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const struct OrtCustomOp*);
+  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp*);
+  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
+  OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  void* InferOutputShapeFn;
+  int (*GetStartVersion)(const struct OrtCustomOp*);
+  int (*GetEndVersion)(const struct OrtCustomOp*);
+} OrtCustomOp;
+
+enum { T_FLOAT = 1, T_INT32 = 6, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, API_VERSION = 17 };
+
+/* ---- the numerics: one (row, head) at a time ---------------------------------- */
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2 */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float dot(const float* a, const float* b, int D) {  /* D % 16 == 0 */
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  return hsum8(_mm256_add_ps(s0, s1));
+}
+
+/* dot(a, k) and dot(b, k), each summed exactly as dot() sums it */
+static inline void dot2(const float* a, const float* b, const float* k, int D, float* da, float* db) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 16) {
+    const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), k0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), k1, a1);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(b + d), k0, b0);
+    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(b + d + 8), k1, b1);
+  }
+  *da = hsum8(_mm256_add_ps(a0, a1));
+  *db = hsum8(_mm256_add_ps(b0, b1));
+}
+
+/* rotate-half RoPE of x[D] at one position (cos/sin rows of half = rd / 2) */
+static void rope(const float* x, float* y, int D, const float* cos, const float* sin, int half) {
+  memcpy(y, x, sizeof(float) * D);
+  if (!cos) return;
+  for (int i = 0; i < half; i++) {
+    float a = x[i], b = x[i + half], c = cos[i], s = sin[i];
+    y[i] = a * c - b * s;
+    y[i + half] = b * c + a * s;
+  }
+}
+
+typedef struct {
+  int H, Hkv, D, half;
+  float scale;
+  const float *qkv, *cos, *sin;
+  float *k, *v, *out;  /* slabs [Hkv, R, D], out [T, H D] */
+  int64_t R, past, T;
+  volatile int* failed;  /* set by a task that could not get its scratch memory */
+} Job;
+
+/* out[b] = inv[b] * sum_i w[b][i] V[i] over i < n[b], in position order, for pn pairs */
+static inline __attribute__((always_inline)) void weigh(const float* V, int D, const float* w, int64_t stride,
+    int64_t lo, const int64_t* n, const float* inv, float* out, const int pn) {
+  for (int d = 0; d < D; d += 8) {
+    __m256 acc[8];
+    for (int b = 0; b < pn; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < lo; i++) {  /* positions every pair here sees */
+      const __m256 vv = _mm256_loadu_ps(V + i * D + d);
+      for (int b = 0; b < pn; b++) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(w[b * stride + i]), vv, acc[b]);
+    }
+    for (int b = 0; b < pn; b++)  /* then each pair's own last positions, in order */
+      for (int64_t i = lo; i < n[b]; i++)
+        acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(w[b * stride + i]), _mm256_loadu_ps(V + i * D + d), acc[b]);
+    for (int b = 0; b < pn; b++) _mm256_storeu_ps(out + (size_t)b * D + d, _mm256_mul_ps(acc[b], _mm256_set1_ps(inv[b])));
+  }
+}
+
+/* A per-thread buffer kept across calls: a fresh malloc of a long context's scores
+ * (past glibc's mmap threshold) would map and unmap pages on every call. */
+static float* scratch(size_t floats) {
+  static __thread float* buf = NULL;
+  static __thread size_t cap = 0;
+  if (floats > cap) {
+    free(buf);
+    cap = floats + floats / 2;
+    buf = (float*)malloc(sizeof(float) * cap);
+    if (!buf) cap = 0;
+  }
+  return buf;
+}
+
+/* Up to ROWS query rows of one call against one KV head, for the G = H / Hkv query
+ * heads that share it: each slab row is read once for all of them. Every (row, head)
+ * pair still runs its own scores, softmax and weighted sum over its own positions
+ * 0..n-1 in order, exactly as it would alone: the result does not depend on T. */
+enum { ROWS = 4, MAXPAIRS = 64 * ROWS };
+
+static void attend(void* arg, size_t task) {
+  const Job* j = (const Job*)arg;
+  const int H = j->H, Hkv = j->Hkv, D = j->D, G = H / Hkv, g = (int)(task % Hkv);
+  const int64_t t0 = (int64_t)(task / Hkv) * ROWS;
+  const int rows = (int)(j->T - t0 < ROWS ? j->T - t0 : ROWS), P = rows * G;
+  const int64_t nmax = j->past + t0 + rows, stride = (nmax + 7) & ~(int64_t)7;
+  const float* K = j->k + ((size_t)g * j->R) * D;
+  const float* V = j->v + ((size_t)g * j->R) * D;
+  const int width = (H + 2 * Hkv) * D;
+  float* q = scratch((size_t)P * D + (size_t)P * stride);
+  if (!q) { j->failed[0] = 1; return; }
+  float* s = q + (size_t)P * D;  /* pair p = r * G + a: scores, then weights [P, stride] */
+  float acc_out[8 * 512];
+  int64_t n[MAXPAIRS];
+  for (int r = 0; r < rows; r++) {
+    const int64_t pos = j->past + t0 + r;
+    for (int a = 0; a < G; a++) {
+      n[r * G + a] = pos + 1;
+      rope(j->qkv + (size_t)(t0 + r) * width + (size_t)(g * G + a) * D, q + (size_t)(r * G + a) * D, D,
+           j->cos ? j->cos + pos * j->half : NULL, j->sin ? j->sin + pos * j->half : NULL, j->half);
+    }
+  }
+  for (int64_t i = 0; i < nmax; i++) {
+    const float* k = K + i * D;
+    int p = 0;
+    while (p < P && n[p] <= i) p += G;  /* rows whose positions end before i (whole rows) */
+    for (; p + 2 <= P; p += 2) {
+      float d0, d1;
+      dot2(q + (size_t)p * D, q + (size_t)(p + 1) * D, k, D, &d0, &d1);
+      s[(size_t)p * stride + i] = d0 * j->scale;
+      s[(size_t)(p + 1) * stride + i] = d1 * j->scale;
+    }
+    if (p < P) s[(size_t)p * stride + i] = dot(q + (size_t)p * D, k, D) * j->scale;
+  }
+  float inv[MAXPAIRS];
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int p = 0; p < P; p++) {
+    float* sp = s + (size_t)p * stride;
+    const int64_t np = n[p], n8 = (np + 7) & ~(int64_t)7;
+    float m = -3.0e38f;
+    for (int64_t i = 0; i < np; i++) m = sp[i] > m ? sp[i] : m;
+    for (int64_t i = np; i < n8; i++) sp[i] = m;  /* padding, masked below */
+    __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp + i), mv));
+      if (i + 8 > np) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(np - i)), lane)));
+      _mm256_storeu_ps(sp + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv[p] = 1.0f / hsum8(sum);
+  }
+  for (int p0 = 0; p0 < P; p0 += 8) {  /* up to 8 pairs' accumulators in registers */
+    const int pn = P - p0 < 8 ? P - p0 : 8;
+    int64_t lo = n[p0];
+    for (int b = 1; b < pn; b++) lo = n[p0 + b] < lo ? n[p0 + b] : lo;
+    const float* w = s + (size_t)p0 * stride;
+    switch (pn) {  /* a constant count, so the accumulators stay in registers */
+      case 1: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 1); break;
+      case 2: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 2); break;
+      case 3: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 3); break;
+      case 4: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 4); break;
+      case 5: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 5); break;
+      case 6: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 6); break;
+      case 7: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 7); break;
+      default: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 8); break;
+    }
+    for (int b = 0; b < pn; b++) {
+      const int p = p0 + b, r = p / G, a = p % G;
+      memcpy(j->out + (size_t)(t0 + r) * H * D + (size_t)(g * G + a) * D, acc_out + (size_t)b * D, sizeof(float) * D);
+    }
+  }
+}
+
+/* ---- the onnxruntime kernel ------------------------------------------------------ */
+
+typedef struct { const OrtApi* api; int64_t H, Hkv, rotary; float scale; } Kernel;
+
+static OrtStatus* dims(const OrtApi* api, const OrtValue* v, int64_t* out, size_t* n) {
+  OrtShape* info;
+  OrtStatus* st = api->GetTensorTypeAndShape(v, &info);
+  if (st) return st;
+  st = api->GetDimensionsCount(info, n);
+  if (!st) st = *n <= 4 ? api->GetDimensions(info, out, *n) : api->CreateStatus(ORT_INVALID_ARGUMENT, "rank > 4");
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+#define TRY(x) do { OrtStatus* st_ = (x); if (st_) return st_; } while (0)
+
+static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
+  const Kernel* kn = (const Kernel*)self;
+  const OrtApi* api = kn->api;
+  const OrtValue* in[6];
+  for (size_t i = 0; i < 6; i++) TRY(api->KernelContext_GetInput(ctx, i, &in[i]));
+  int64_t qd[4], kd[4], cd[4];
+  size_t nq, nk, nc;
+  TRY(dims(api, in[0], qd, &nq));
+  TRY(dims(api, in[1], kd, &nk));
+  TRY(dims(api, in[4], cd, &nc));
+  const int H = (int)kn->H, Hkv = (int)kn->Hkv;
+  if (nq != 2 || nk != 4 || kd[0] != 1 || kd[1] != Hkv || kd[3] % 16 || kd[3] > 512 || H % Hkv || H / Hkv > 64)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: qkv [T, (H+2Hkv)D], slabs [1, Hkv, R, D], D % 16 == 0, D <= 512, H / Hkv <= 64");
+  const int D = (int)kd[3];
+  if (qd[1] != (int64_t)(H + 2 * Hkv) * D)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: qkv width is not (H + 2 Hkv) D");
+  void *p_qkv, *p_pk, *p_pv, *p_tot, *p_cos, *p_sin;
+  TRY(api->GetTensorMutableData((OrtValue*)in[0], &p_qkv));
+  TRY(api->GetTensorMutableData((OrtValue*)in[1], &p_pk));
+  TRY(api->GetTensorMutableData((OrtValue*)in[2], &p_pv));
+  TRY(api->GetTensorMutableData((OrtValue*)in[3], &p_tot));
+  TRY(api->GetTensorMutableData((OrtValue*)in[4], &p_cos));
+  TRY(api->GetTensorMutableData((OrtValue*)in[5], &p_sin));
+  const int64_t T = qd[0], R = kd[2], total = *(const int32_t*)p_tot, past = total - T;
+  const int half = (int)cd[1];
+  if (past < 0 || total > R)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: total_len outside [T, R]");
+  if (kn->rotary && (nc != 2 || cd[0] < total || 2 * half > D))
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: RoPE tables [>= total_len, <= D / 2]");
+  int64_t od[2] = {T, (int64_t)H * D};
+  OrtValue *o_out, *o_k, *o_v;
+  TRY(api->KernelContext_GetOutput(ctx, 0, od, 2, &o_out));
+  TRY(api->KernelContext_GetOutput(ctx, 1, kd, 4, &o_k));
+  TRY(api->KernelContext_GetOutput(ctx, 2, kd, 4, &o_v));
+  void *p_out, *p_k, *p_v;
+  TRY(api->GetTensorMutableData(o_out, &p_out));
+  TRY(api->GetTensorMutableData(o_k, &p_k));
+  TRY(api->GetTensorMutableData(o_v, &p_v));
+  const size_t slab = (size_t)Hkv * R * D;
+  if (p_k != p_pk) memcpy(p_k, p_pk, sizeof(float) * slab);  /* not bound in place: carry the past */
+  if (p_v != p_pv) memcpy(p_v, p_pv, sizeof(float) * slab);
+  const float* qkv = (const float*)p_qkv;
+  const float *cs = kn->rotary ? (const float*)p_cos : NULL, *sn = kn->rotary ? (const float*)p_sin : NULL;
+  float *K = (float*)p_k, *V = (float*)p_v;
+  for (int64_t t = 0; t < T; t++) {  /* the new rows first: row t attends to itself */
+    const int64_t pos = past + t;
+    const float* row = qkv + (size_t)t * (H + 2 * Hkv) * D;
+    for (int g = 0; g < Hkv; g++) {
+      rope(row + (size_t)(H + g) * D, K + ((size_t)g * R + pos) * D, D,
+           cs ? cs + pos * half : NULL, sn ? sn + pos * half : NULL, half);
+      memcpy(V + ((size_t)g * R + pos) * D, row + (size_t)(H + Hkv + g) * D, sizeof(float) * D);
+    }
+  }
+  volatile int failed = 0;
+  Job job = {H, Hkv, D, half, kn->scale, qkv, cs, sn, K, V, (float*)p_out, R, past, T, &failed};
+  TRY(api->KernelContext_ParallelFor(ctx, attend, (size_t)((T + ROWS - 1) / ROWS * Hkv), 0, &job));
+  return failed ? api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory for the scores") : NULL;
+}
+
+static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
+  if (!k) return api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory");
+  k->api = api;
+  OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "num_heads", &k->H);
+  if (!st) st = api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->Hkv);
+  if (!st) st = api->KernelInfoGetAttribute_int64(info, "rotary", &k->rotary);
+  if (!st) st = api->KernelInfoGetAttribute_float(info, "scale", &k->scale);
+  if (st) { free(k); return st; }
+  *out = k;
+  return NULL;
+}
+
+static void destroy(void* k) { free(k); }
+static const char* name(const OrtCustomOp* op) { (void)op; return "SlabAttention"; }
+static const char* provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? T_INT32 : T_FLOAT; }
+static size_t inputs(const OrtCustomOp* op) { (void)op; return 6; }
+static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return T_FLOAT; }
+static size_t outputs(const OrtCustomOp* op) { (void)op; return 3; }
+static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+
+static OrtCustomOp slab_attention = {
+  .version = API_VERSION, .GetName = name, .GetExecutionProviderType = provider,
+  .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = output_type,
+  .GetOutputTypeCount = outputs, .KernelDestroy = destroy, .GetInputCharacteristic = required,
+  .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,
+  .CreateKernelV2 = create, .KernelComputeV2 = compute,
+};
+
+__attribute__((visibility("default")))
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(API_VERSION);
+  if (!api) return NULL;  /* an onnxruntime older than 1.17 cannot report an error either */
+  OrtCustomOpDomain* dom;
+  TRY(api->CreateCustomOpDomain("hetero_sd.native", &dom));
+  TRY(api->CustomOpDomain_Add(dom, &slab_attention));
+  return api->AddCustomOpDomain(options, dom);
+}
