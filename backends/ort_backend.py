@@ -193,8 +193,10 @@ class OrtRunner(GraphRunner):
         self._load("pool")
 
     def allocate(self, capacity: int) -> int:
-        # GroupQueryAttention's graph writes one row past a one-token call (onnx_gqa.py)
-        seq = super().allocate(capacity + (self._inplace is not None and self._inplace.pads_rows))
+        # a padded call (row_check.py) and GroupQueryAttention's graph (onnx_gqa.py) write one
+        # row past the sequence
+        spare = self._inplace is not None and (self._inplace.pads_rows or self._padding != "none")
+        seq = super().allocate(capacity + spare)
         if self._inplace is not None:
             self._inplace.bind(seq, self._slabs[seq])
         return seq

@@ -217,13 +217,27 @@ def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, 
     assert _invariant(runner) == []
 
 
+@pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "llama3-rope"])
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
-def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_dir, monkeypatch, precision, variant):
+def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_dir, monkeypatch, precision, variant,
+                                                                   pad):
     """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1) in the in-place
     graph: a one-token call is one row everywhere, no second attention row."""
     monkeypatch.setenv("HETERO_SD_NATIVE", "1")
-    runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, None)
+    runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, pad)
     assert "our SlabAttention" in runner.kernel_choice
     assert not runner._inplace.pads_rows
     assert _invariant(runner) == []
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_padded_call_fits_at_the_last_slot(tiny_model_dir, monkeypatch, native):
+    """A sequence filled to exactly its capacity by one-token calls, each padded by a row
+    (forced): the padding row has a slot of its own, whichever attention the graph runs."""
+    monkeypatch.setenv("HETERO_SD_NATIVE", native)
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
+    seq, prompt = runner.allocate(8), random_prompt(8, seed=4)
+    runner.forward(seq, prompt[:6], 0, 1)
+    for i in (6, 7):
+        assert runner.forward(seq, [prompt[i]], i, 1).shape == (1, runner.vocab_size)
