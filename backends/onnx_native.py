@@ -8,7 +8,7 @@ so a one-token call is one row everywhere and the inputs `att_rows` and
 `seqlens_k` are gone. RoPE (rotate-half) runs inside the op from half-width
 tables, as GroupQueryAttention's did.
 
-Only models the op covers take it (`native_fits`): no per-head q/k norms, no
+Only models the op covers take it (`native_fits`, backends/native): no per-head q/k norms, no
 sliding windows, no score soft-capping, a head dimension that is a multiple of
 16; others keep GroupQueryAttention.
 """
@@ -16,24 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetero_sd.backends.native import native_fits
 from hetero_sd.backends.onnx_gqa import InPlaceAttention, _rope_caches
 
 DOMAIN = "hetero_sd.native"
-
-
-def native_fits(cfg) -> tuple[bool, str]:
-    """(whether SlabAttention computes this model's attention, why not)."""
-    if cfg.qk_norm:
-        return False, "per-head q/k norms"
-    if any(w is not None for w in cfg.windows):
-        return False, "sliding-window layers"
-    if cfg.attn_softcap is not None:
-        return False, "attention soft-capping"
-    if cfg.head_dim % 16 or cfg.head_dim > 512:
-        return False, f"head dimension {cfg.head_dim} (needs a multiple of 16, at most 512)"
-    if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 64:
-        return False, f"{cfg.num_heads} heads over {cfg.num_kv_heads} KV heads"
-    return True, ""
 
 
 class NativeAttention(InPlaceAttention):

@@ -14,8 +14,8 @@ from hetero_sd.backends.base import API_VERSION, BatchItem, DeviceInfo, Precisio
 from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
-from hetero_sd.backends.native import attention_available, attention_library
-from hetero_sd.backends.onnx_native import native_fits
+# native_fits from backends/native, not onnx_native: a warm start must not import onnx
+from hetero_sd.backends.native import attention_available, attention_library, native_fits
 from hetero_sd.backends.row_check import padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError

@@ -18,7 +18,9 @@ target's verify curve. Ours:
   runner's one-token call (padded or not, as its row check decided) as V(1).
 `--padded` loads every target a second time with one-token calls forced
 padded (HETERO_SD_PAD_SINGLE_ROW=1), so the cost of the padding shows in the
-same run. The build of llama.cpp: docs/benchmarks.md. Not a test: speed is
+same run; `--native` a third time with our own attention op
+(HETERO_SD_NATIVE=1, backends/native), so the two attentions compare side by
+side. The build of llama.cpp: docs/benchmarks.md. Not a test: speed is
 measured, never asserted.
 """
 from __future__ import annotations
@@ -37,24 +39,23 @@ CONTEXT = 300  # verify curve: positions before the scored rows
 K_MAX = 8
 
 
-def load_target(model: Path, placement: str, padded: bool):
-    from hetero_sd.backends.row_check import ENV
+def load_target(model: Path, placement: str, env: dict[str, str]):
     from hetero_sd.engine import Engine
     from hetero_sd.ir import load_model_ir
     from hetero_sd.loading import Loader
     from hetero_sd.drafting.specs import ModelSpec
 
     backend, device, precision, *graph = placement.split(":")
-    before = os.environ.get(ENV)
-    if padded:
-        os.environ[ENV] = "1"
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read while the runner loads: its row check, its attention
     try:
         runner = Loader()(ModelSpec(str(model), backend, device, precision, 512 << 20, "target"))
     finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if graph == ["batched"]:  # the server's graph (Runner.serve_batches)
         runner.serve_batches()
     ir = load_model_ir(model)
@@ -110,16 +111,20 @@ def verify_curve(runner, seed: int, context: int = CONTEXT, repeats: int = 5) ->
 
 
 def run(args) -> dict:
-    from hetero_sd.backends.row_check import host_signature
+    from hetero_sd.backends import native, row_check
     from hetero_sd.bench.prompts import load_prompts
     from hetero_sd.config import resolve_model
 
     model = resolve_model(args.model, None)
+    variants = {"": {native.ENV: "0"}}
+    if args.padded:
+        variants[" padded"] = {native.ENV: "0", row_check.ENV: "1"}
+    if args.native:
+        variants[" native"] = {native.ENV: "1"}
     targets = {}
     for placement in args.target:
-        for padded in ([False, True] if args.padded else [False]):
-            name = placement + (" padded" if padded else "")
-            targets[name] = load_target(model, placement, padded)
+        for suffix, env in variants.items():
+            targets[placement + suffix] = load_target(model, placement, env)
     prompts = [p.prompt for p in load_prompts(None)]
     figures = {"llama.cpp": {"decode": [], "prefill": []}}
     for name in targets:
@@ -149,7 +154,7 @@ def run(args) -> dict:
             row["verify_curve"] = [statistics.median(c[k] for c in f["curve"]) for k in range(K_MAX + 1)]
             row["kernel"] = targets[name][1].kernel_choice
         rows[name] = row
-    return {"model": str(model), "threads": threads(), "host": host_signature(), "rounds": args.rounds,
+    return {"model": str(model), "threads": threads(), "host": row_check.host_signature(), "rounds": args.rounds,
             "new_tokens": args.new_tokens, "prefill": args.prefill, "results": rows}
 
 
@@ -180,6 +185,7 @@ def parse_args(argv):
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--context", type=int, default=CONTEXT, help="tokens before the verify curve's rows")
     p.add_argument("--padded", action="store_true", help="each target also with one-token calls forced padded")
+    p.add_argument("--native", action="store_true", help="each target also with our own attention op (HETERO_SD_NATIVE=1)")
     p.add_argument("--json", type=Path, help="write the report here too")
     args = p.parse_args(argv)
     if not args.target:

@@ -80,6 +80,21 @@ def _build() -> Path:
     return target
 
 
+def native_fits(cfg) -> tuple[bool, str]:
+    """(whether SlabAttention computes this model's attention, why not)."""
+    if cfg.qk_norm:
+        return False, "per-head q/k norms"
+    if any(w is not None for w in cfg.windows):
+        return False, "sliding-window layers"
+    if cfg.attn_softcap is not None:
+        return False, "attention soft-capping"
+    if cfg.head_dim % 16 or cfg.head_dim > 512:
+        return False, f"head dimension {cfg.head_dim} (needs a multiple of 16, at most 512)"
+    if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 64:
+        return False, f"{cfg.num_heads} heads over {cfg.num_kv_heads} KV heads"
+    return True, ""
+
+
 def attention_library() -> Path:
     """The compiled SlabAttention library for this host; NativeUnavailable says why not."""
     if os.environ.get(ENV, "0") != "1":
