@@ -106,7 +106,6 @@ class InPlaceAttention:
 
     takes_qkv = True  # attend_qkv(): RoPE, norms and attention from the fused q/k/v rows
     domains: tuple[str, ...] = ()  # custom-op domains the graph imports (onnx_native.py)
-    pads_rows = True  # a one-token call attends on two rows (the module docstring)
 
     def __init__(self, b, cfg):
         self.b, self.cfg = b, cfg

@@ -26,7 +26,6 @@ class NativeAttention(InPlaceAttention):
     """One sequence, its slab bound in place, attention by SlabAttention."""
 
     domains = (DOMAIN,)
-    pads_rows = False  # a one-token call attends on its one row
 
     def __init__(self, b, cfg):
         ok, why = native_fits(cfg)

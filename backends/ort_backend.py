@@ -178,7 +178,9 @@ class OrtRunner(GraphRunner):
         self.max_batch = 1 if self._inplace else 32
         self.kernel_choice = ""
         self._padding = "pairs" if self._checks_rows else "none"  # each graph is checked on its own
-        self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}")
+        # the verdict is the graph's and its kernels': our compiled op's build too (its folder names its hash)
+        built = "".join(f" {lib.parent.name}" for lib in self._libraries)
+        self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}{built}")
         graph = f"in-place {self._attention_note}, one sequence a call" if self._inplace else "batched graph"
         self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
 

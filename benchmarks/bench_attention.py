@@ -27,11 +27,17 @@ CONTEXTS, WIDTHS, CALLS = (64, 300, 1000), (1, 2, 3, 5, 9), 8
 
 
 def load(model: str, precision: str) -> dict:
-    runners = {}
-    for name, flag in (("GroupQueryAttention", "0"), ("SlabAttention", "1")):
-        os.environ[ENV] = flag
-        runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target"))
-        print(f"{name}: {runners[name].kernel_choice}", flush=True)
+    runners, before = {}, os.environ.get(ENV)
+    try:
+        for name, flag in (("GroupQueryAttention", "0"), ("SlabAttention", "1")):
+            os.environ[ENV] = flag  # read while the runner loads
+            runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target"))
+            print(f"{name}: {runners[name].kernel_choice}", flush=True)
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
     return runners
 
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from hetero_sd.ir.cache import cache_root
+from hetero_sd.backends.row_check import host_signature
+from hetero_sd.ir.cache import cache_root, cached
 
 ENV = "HETERO_SD_NATIVE"  # 1: use the compiled kernels where they cover the model
 SOURCE = Path(__file__).with_name("slab_attention.c")
@@ -36,23 +38,12 @@ class NativeUnavailable(RuntimeError):
     """Why the compiled kernels cannot be used here (the message says)."""
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def _compiler() -> str:
+def _compiler() -> list[str]:
+    """The C compiler's command line ($CC may carry arguments: "ccache gcc")."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise NativeUnavailable("no C compiler (cc, gcc or clang) on PATH")
-    return cc
+    return shlex.split(cc)
 
 
 @lru_cache(maxsize=None)
@@ -61,23 +52,24 @@ def _build() -> Path:
 
     if platform.machine() not in ("x86_64", "AMD64"):
         raise NativeUnavailable(f"the kernels are written for x86-64 (AVX2 at least), not {platform.machine()}")
-    if "avx2" not in _cpu_flags().split() or "fma" not in _cpu_flags().split():
-        raise NativeUnavailable("this CPU has no AVX2/FMA")
+    host = host_signature()
+    if "avx2" not in host["flags"]:
+        raise NativeUnavailable("this CPU has no AVX2")
     cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *version, " ".join(FLAGS), _cpu_flags()]).encode())
-    folder = cache_root() / "native"
-    target = folder / f"slab_attention-{key.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{target.name}.{os.getpid()}"
-    run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-    if run.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise NativeUnavailable(f"{cc} failed on {SOURCE.name}: {run.stderr.strip()[-400:]}")
-    os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
-    return target
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    except OSError as e:
+        raise NativeUnavailable(f"cannot run {' '.join(cc)}: {e}") from e
+    # -march=native: the library is this CPU's (host["isa"] digests all its flags)
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *version, " ".join(FLAGS), host["isa"]]).encode())
+
+    def compile_to(target: Path) -> None:
+        run = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(target)], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise NativeUnavailable(f"{' '.join(cc)} failed on {SOURCE.name}: {run.stderr.strip()[-400:]}")
+
+    return cached(cache_root() / "native" / f"slab_attention-{key.hexdigest()[:20]}", "slab_attention.so",
+                  compile_to)
 
 
 def native_fits(cfg) -> tuple[bool, str]:

@@ -167,7 +167,7 @@ typedef struct {
   const float *qkv, *cos, *sin;
   float *k, *v, *out;  /* slabs [Hkv, R, D], out [T, H D] */
   int64_t R, past, T;
-  volatile int* failed;  /* set by a task that could not get its scratch memory */
+  int* failed;  /* set (atomically) by a task that could not get its scratch memory */
 } Job;
 
 /* out[b] = inv[b] * sum_i w[b][i] V[i] over i < n[b], in position order, for pn pairs */
@@ -217,7 +217,7 @@ static void attend(void* arg, size_t task) {
   const float* V = j->v + ((size_t)g * j->R) * D;
   const int width = (H + 2 * Hkv) * D;
   float* q = scratch((size_t)P * D + (size_t)P * stride);
-  if (!q) { j->failed[0] = 1; return; }
+  if (!q) { __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED); return; }
   float* s = q + (size_t)P * D;  /* pair p = r * G + a: scores, then weights [P, stride] */
   float acc_out[8 * 512];
   int64_t n[MAXPAIRS];
@@ -301,11 +301,15 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   const OrtApi* api = kn->api;
   const OrtValue* in[6];
   for (size_t i = 0; i < 6; i++) TRY(api->KernelContext_GetInput(ctx, i, &in[i]));
-  int64_t qd[4], kd[4], cd[4];
-  size_t nq, nk, nc;
+  int64_t qd[4], kd[4], vd[4], cd[4], sd[4];
+  size_t nq, nk, nv, nc, ns;
   TRY(dims(api, in[0], qd, &nq));
   TRY(dims(api, in[1], kd, &nk));
+  TRY(dims(api, in[2], vd, &nv));
   TRY(dims(api, in[4], cd, &nc));
+  TRY(dims(api, in[5], sd, &ns));
+  if (nv != nk || memcmp(vd, kd, sizeof(int64_t) * nk) || ns != nc || memcmp(sd, cd, sizeof(int64_t) * nc))
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: past_v's shape differs from past_k's, or sin's from cos's");
   const int H = (int)kn->H, Hkv = (int)kn->Hkv;
   if (nq != 2 || nk != 4 || kd[0] != 1 || kd[1] != Hkv || kd[3] % 16 || kd[3] > 512 || H % Hkv || H / Hkv > 64)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: qkv [T, (H+2Hkv)D], slabs [1, Hkv, R, D], D % 16 == 0, D <= 512, H / Hkv <= 64");
@@ -349,10 +353,10 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
       memcpy(V + ((size_t)g * R + pos) * D, row + (size_t)(H + Hkv + g) * D, sizeof(float) * D);
     }
   }
-  volatile int failed = 0;
+  int failed = 0;
   Job job = {H, Hkv, D, half, kn->scale, qkv, cs, sn, K, V, (float*)p_out, R, past, T, &failed};
   TRY(api->KernelContext_ParallelFor(ctx, attend, (size_t)((T + ROWS - 1) / ROWS * Hkv), 0, &job));
-  return failed ? api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory for the scores") : NULL;
+  return __atomic_load_n(&failed, __ATOMIC_RELAXED) ? api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory for the scores") : NULL;
 }
 
 static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
@@ -364,6 +368,8 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   if (!st) st = api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->Hkv);
   if (!st) st = api->KernelInfoGetAttribute_int64(info, "rotary", &k->rotary);
   if (!st) st = api->KernelInfoGetAttribute_float(info, "scale", &k->scale);
+  if (!st && (k->H <= 0 || k->Hkv <= 0))
+    st = api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: num_heads and kv_num_heads must be positive");
   if (st) { free(k); return st; }
   *out = k;
   return NULL;

@@ -8,9 +8,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from hetero_sd.backends import native
-from hetero_sd.backends.onnx_native import DOMAIN, native_fits
+from hetero_sd.backends.onnx_native import DOMAIN
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, reference_logits
+from helpers.native import needs_avx2
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
@@ -19,7 +20,7 @@ REGISTRY = discover()
 @pytest.fixture
 def library(monkeypatch):
     monkeypatch.setenv(native.ENV, "1")
-    return native.attention_library()
+    return native.attention_library()  # on such a CPU, a build failure fails the test
 
 
 def _session(lib, H, Hkv, D, rotary):
@@ -67,6 +68,7 @@ def _reference(qkv, K, V, past, H, Hkv, D, cos, sin, rotary):
     return out.reshape(T, H * D), K, V
 
 
+@needs_avx2
 @pytest.mark.parametrize("H,Hkv,D,half", [(4, 4, 16, 8), (4, 2, 32, 16), (12, 2, 64, 32), (6, 1, 16, 4)])
 @pytest.mark.parametrize("rotary", [1, 0])
 def test_the_op_matches_a_float64_reference(library, H, Hkv, D, half, rotary):
@@ -85,9 +87,11 @@ def test_the_op_matches_a_float64_reference(library, H, Hkv, D, half, rotary):
         assert np.array_equal(k[0, :, :past], K[0, :, :past])  # the past carried over, untouched
 
 
-def test_a_row_rounds_alike_alone_and_in_any_call(library):
+@needs_avx2
+@pytest.mark.parametrize("H,Hkv,D", [(12, 2, 64), (9, 3, 64)])  # 6 and 3 query heads a KV head (the 1.5B's, SmolLM2's)
+def test_a_row_rounds_alike_alone_and_in_any_call(library, H, Hkv, D):
     """Row t of a T-row call equals the same row run alone after rows 0..t-1, bitwise."""
-    H, Hkv, D, rng = 12, 2, 64, np.random.default_rng(5)
+    rng = np.random.default_rng(5)
     sess, R, past = _session(library, H, Hkv, D, 1), 64, 21
     cos, sin = (rng.random((R, D // 2), dtype=np.float32) for _ in range(2))
     K, V = (rng.standard_normal((1, Hkv, R, D), dtype=np.float32) for _ in range(2))
@@ -110,10 +114,11 @@ def test_it_is_off_unless_asked_and_says_so(monkeypatch):
 
 
 def test_models_it_does_not_cover_say_why(tiny_model_dir):
-    assert native_fits(load_model_ir(tiny_model_dir("llama")).config) == (True, "")
-    assert native_fits(load_model_ir(tiny_model_dir("mistral-swa")).config) == (False, "sliding-window layers")
+    assert native.native_fits(load_model_ir(tiny_model_dir("llama")).config) == (True, "")
+    assert native.native_fits(load_model_ir(tiny_model_dir("mistral-swa")).config) == (False, "sliding-window layers")
 
 
+@needs_avx2
 @pytest.mark.parametrize("variant", ["llama-tied", "qwen2", "llama3-rope", "mistral-swa"])
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-4), ("int8", 0.2), ("int4", 1.5)])  # test_graph_backends CASES
 def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, library, variant, precision, tol):
@@ -122,7 +127,7 @@ def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, library, v
     folder = tiny_model_dir(variant)
     ir = load_model_ir(folder)
     runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
-    covered = native_fits(ir.config)[0]
+    covered = native.native_fits(ir.config)[0]
     assert ("our SlabAttention" in runner.kernel_choice) == covered, runner.kernel_choice
     prompt = random_prompt(30, seed=3)
     ref = reference_logits(ir, prompt).numpy()

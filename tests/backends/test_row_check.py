@@ -11,6 +11,7 @@ from hetero_sd.backends import row_check
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir import load_model_ir
+from helpers.native import needs_avx2
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
@@ -217,9 +218,10 @@ def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, 
     assert _invariant(runner) == []
 
 
-@pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
+@needs_avx2
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "llama3-rope"])
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("precision,pad", [("fp32", None), ("int8", None), ("int8", "1"), ("int4", None), ("int4", "1")],
+                         ids=["fp32", "int8-as-checked", "int8-padded", "int4-as-checked", "int4-padded"])  # fp32: never padded
 def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_dir, monkeypatch, precision, variant,
                                                                    pad):
     """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1) in the in-place
@@ -231,13 +233,15 @@ def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_di
     assert _invariant(runner) == []
 
 
-@pytest.mark.parametrize("native", ["0", "1"])
+@pytest.mark.parametrize("native", ["0", pytest.param("1", marks=needs_avx2)])
 def test_a_padded_call_fits_at_the_last_slot(tiny_model_dir, monkeypatch, native):
     """A sequence filled to exactly its capacity by one-token calls, each padded by a row
-    (forced): the padding row has a slot of its own, whichever attention the graph runs."""
+    (forced): the padding row has a slot of its own, whichever attention the graph runs.
+    The capacity is a whole window block, so no rounding up leaves a slot to spare."""
     monkeypatch.setenv("HETERO_SD_NATIVE", native)
     runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
-    seq, prompt = runner.allocate(8), random_prompt(8, seed=4)
-    runner.forward(seq, prompt[:6], 0, 1)
-    for i in (6, 7):
+    n = runner.WINDOW_BLOCK
+    seq, prompt = runner.allocate(n), random_prompt(n, seed=4)
+    runner.forward(seq, prompt[:n - 2], 0, 1)
+    for i in (n - 2, n - 1):
         assert runner.forward(seq, [prompt[i]], i, 1).shape == (1, runner.vocab_size)
