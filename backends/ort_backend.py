@@ -51,7 +51,10 @@ class OrtBackend:
         except Exception:
             return []
         desc = f"onnxruntime {ort.__version__}"
-        devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider", _cpu_precisions(), "fp32")]
+        native, why = attention_available()  # which attention the in-place graph runs (a model may still not fit)
+        attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
+        devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider; {attention}", _cpu_precisions(),
+                              "fp32")]
         for provider in ort.get_available_providers():
             if provider in _PROVIDERS:
                 note = "provider kernels chosen by shape; lossless up to numerics"

@@ -113,6 +113,18 @@ def test_it_is_off_unless_asked_and_says_so(monkeypatch):
     assert native.attention_available() == (False, f"off ({native.ENV}=1 turns it on)")
 
 
+def test_devices_say_which_attention_runs(monkeypatch):
+    monkeypatch.delenv(native.ENV, raising=False)
+    cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
+    assert cpu.description.endswith(f"attention: GroupQueryAttention; SlabAttention off ({native.ENV}=1 turns it on)")
+
+
+@needs_avx2
+def test_devices_say_when_our_attention_runs(library):
+    cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
+    assert cpu.description.endswith("attention: our SlabAttention")
+
+
 def test_models_it_does_not_cover_say_why(tiny_model_dir):
     assert native.native_fits(load_model_ir(tiny_model_dir("llama")).config) == (True, "")
     assert native.native_fits(load_model_ir(tiny_model_dir("mistral-swa")).config) == (False, "sliding-window layers")
