@@ -63,7 +63,8 @@ def _drafter_label(cfg: Config) -> str:
     if d.kind == "ngram":
         return f"n-gram drafter k={d.k} (n {d.min_ngram}..{d.max_ngram})"
     if d.kind == "model":
-        return f"draft model on {d.backend}:{d.device} {d.precision}, k={d.k}"
+        # named: --draft-model replaces a configuration's own draft
+        return f"draft model {Path(d.model or cfg.target.model).name} on {d.backend}:{d.device} {d.precision}, k={d.k}"
     if d.kind == "suffix":
         return f"suffix decoding k={d.k}"
     if d.kind in ("head", "hybrid"):

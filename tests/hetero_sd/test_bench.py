@@ -292,6 +292,9 @@ def test_draft_model_feeds_our_draft_model_configs(tiny_model_dir, tmp_path):
     cfgs = load_configs([str(drafted), str(ngram)], str(model), 4, str(other))
     assert cfgs[0].drafter.model == str(other) and cfgs[1].drafter.kind == "ngram"
     assert load_configs([str(drafted)], str(model), 4)[0].drafter.model == str(model)  # the default: the target
+    from hetero_sd.bench.ours import _drafter_label
+
+    assert f"draft model {Path(other).name} on " in _drafter_label(cfgs[0])  # the report names the draft in use
 
 
 def test_peers_get_a_fixed_draft_length_when_ours_adapts(tmp_path):
