@@ -8,9 +8,10 @@ so a one-token call is one row everywhere and the inputs `att_rows` and
 `seqlens_k` are gone. RoPE (rotate-half) runs inside the op from half-width
 tables, as GroupQueryAttention's did.
 
-Only models the op covers take it (`native_fits`, backends/native): no per-head q/k norms, no
-sliding windows, no score soft-capping, a head dimension that is a multiple of
-16; others keep GroupQueryAttention.
+Only models the op covers take it (`native_fits` in backends/native: no per-head
+q/k norms, sliding windows or score soft-capping, a head dimension that is a
+multiple of 16 up to 512, at most 64 query heads a KV head); others keep
+GroupQueryAttention.
 """
 from __future__ import annotations
 

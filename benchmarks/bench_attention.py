@@ -12,7 +12,6 @@ SlabAttention / GroupQueryAttention. Both runners say how they run one-token cal
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -23,21 +22,17 @@ from hetero_sd.config import resolve_model
 from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.loading import Loader
 
+from bench_vs_llamacpp import environment  # noqa: E402  (one way to switch a load's env)
+
 CONTEXTS, WIDTHS, CALLS = (64, 300, 1000), (1, 2, 3, 5, 9), 8
 
 
 def load(model: str, precision: str) -> dict:
-    runners, before = {}, os.environ.get(ENV)
-    try:
-        for name, flag in (("GroupQueryAttention", "0"), ("SlabAttention", "1")):
-            os.environ[ENV] = flag  # read while the runner loads
+    runners = {}
+    for name, flag in (("GroupQueryAttention", "0"), ("SlabAttention", "1")):
+        with environment({ENV: flag}):
             runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target"))
-            print(f"{name}: {runners[name].kernel_choice}", flush=True)
-    finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+        print(f"{name}: {runners[name].kernel_choice}", flush=True)
     return runners
 
 

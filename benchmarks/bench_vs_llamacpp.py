@@ -31,12 +31,29 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from hetero_sd.bench.llamacpp_tools import llama_bench, threads  # noqa: E402  (one way to run llama-bench)
 
 CONTEXT = 300  # verify curve: positions before the scored rows
 K_MAX = 8
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """`env` set for the block, then put back: a runner reads its row check's and its
+    attention's switches while it loads."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def load_target(model: Path, placement: str, env: dict[str, str]):
@@ -46,16 +63,8 @@ def load_target(model: Path, placement: str, env: dict[str, str]):
     from hetero_sd.drafting.specs import ModelSpec
 
     backend, device, precision, *graph = placement.split(":")
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # read while the runner loads: its row check, its attention
-    try:
+    with environment(env):
         runner = Loader()(ModelSpec(str(model), backend, device, precision, 512 << 20, "target"))
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     if graph == ["batched"]:  # the server's graph (Runner.serve_batches)
         runner.serve_batches()
     ir = load_model_ir(model)
