@@ -62,18 +62,19 @@ ATTENTION = ("slab", "pool", "inplace", "native")
 
 
 def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None,
-                     attention: str = "slab") -> onnx.ModelProto:
+                     attention: str = "slab", native_matmul: bool = False) -> onnx.ModelProto:
     """The graph with weights in `precision` (onnx_weights.py). With `path`, the
     weights stream to `path.parent / weights.bin` one tensor at a time and the
     model is saved at `path`; without, they stay inside the returned proto.
-    attention: how rows find their keys (ATTENTION)."""
+    attention: how rows find their keys (ATTENTION); native_matmul: quantized linear
+    layers by our BlockMatMul where it covers them (backends/native)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION}")
     model.check_weights()
     b = Builder(path.parent / DATA_FILE if path is not None else None)
     try:
-        proto = _build(model, b, Linears(b, model.weights, precision, wide=wide_blocks(model.config)), progress,
-                       attention)
+        linear = Linears(b, model.weights, precision, wide=wide_blocks(model.config), native=native_matmul)
+        proto = _build(model, b, linear, progress, attention)
     finally:
         b.close()
     if path is not None:
@@ -277,7 +278,7 @@ def _make_model(b: Builder, cfg, kv) -> onnx.ModelProto:
     if kv.takes_qkv:
         outputs += kv.outputs()
     graph = helper.make_graph(b.nodes, "hetero_sd_llama", kv.inputs(), outputs, b.inits)
-    domains = [helper.make_opsetid(d, 1) for d in kv.domains]  # custom ops' domains
+    domains = [helper.make_opsetid(d, 1) for d in sorted({*kv.domains, *b.domains})]  # custom ops' domains
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                    helper.make_opsetid("com.microsoft", 1), *domains],
                              producer_name="hetero-sd")

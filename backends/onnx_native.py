@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetero_sd.backends.native import native_fits
+from hetero_sd.backends.native import DOMAIN, native_fits
 from hetero_sd.backends.onnx_gqa import InPlaceAttention, _rope_caches
-
-DOMAIN = "hetero_sd.native"
 
 
 class NativeAttention(InPlaceAttention):

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from hetero_sd.backends.native import DOMAIN as NATIVE_DOMAIN, matmul_fits
 from hetero_sd.ir import quant
 
 EXTERNAL_MIN = 1024  # bytes: smaller constants stay inside the proto
@@ -44,6 +45,7 @@ class Builder:
 
     def __init__(self, data_path=None):
         self.nodes, self.inits, self._n = [], [], 0
+        self.domains: set[str] = set()  # custom-op domains the nodes use (backends/native)
         self._data = open(data_path, "wb") if data_path is not None else None
         self._location = data_path.name if data_path is not None else None
 
@@ -83,6 +85,8 @@ class Builder:
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, domain: str = "", **attrs) -> str:
         out = out or self.name(op_type.lower())
+        if domain not in ("", "com.microsoft"):
+            self.domains.add(domain)
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=domain or None, **attrs))
         return out
 
@@ -121,12 +125,15 @@ class Linears:
     `names` lists weights whose output rows are concatenated (q/k/v, gate/up):
     one wider matmul where their formats agree."""
 
-    def __init__(self, b: Builder, weights, precision: str, wide: bool = False):
+    def __init__(self, b: Builder, weights, precision: str, wide: bool = False, native: bool = False):
+        """native: block-quantized weights run by our BlockMatMul where it covers their
+        shape (backends/native/block_matmul.c: one row computed alike at any width),
+        on the same inputs MatMulNBits would take."""
         if precision not in ("fp32", "int8", "int4", "gguf"):
             raise ValueError(f"no ONNX weight policy for precision {precision!r}")
         if precision == "gguf" and not weights.has_blocks:
             raise ValueError("precision 'gguf' needs a GGUF model (it keeps the file's own blocks)")
-        self.b, self.weights, self.precision, self.wide = b, weights, precision, wide
+        self.b, self.weights, self.precision, self.wide, self.native = b, weights, precision, wide, native
 
     def float_weight(self, name: str) -> np.ndarray:
         return self.weights.get(name).numpy()
@@ -172,6 +179,8 @@ class Linears:
         ins = [x, b.const(packed, "wq"), b.const(scales.reshape(-1), "ws")]
         if zero_points is not None:
             ins.append(b.const(zero_points, "wz"))
+        if self.native and matmul_fits(k, bits, block):
+            return b.op("BlockMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, bits=bits, block_size=block)
         return b.op("MatMulNBits", *ins, domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
                     accuracy_level=ACCURACY_LEVEL)
 

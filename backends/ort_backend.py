@@ -15,7 +15,7 @@ from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
 # native_fits from backends/native, not onnx_native: a warm start must not import onnx
-from hetero_sd.backends.native import attention_available, attention_library, native_fits
+from hetero_sd.backends.native import kernel_available, library, native_fits
 from hetero_sd.backends.row_check import padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError
@@ -51,10 +51,13 @@ class OrtBackend:
         except Exception:
             return []
         desc = f"onnxruntime {ort.__version__}"
-        native, why = attention_available()  # which attention the in-place graph runs (a model may still not fit)
+        # which ops the one-sequence graph runs (a model may still not fit them)
+        native, why = kernel_available("matmul")
+        matmul = "quantized matmul: our BlockMatMul" if native else f"quantized matmul: MatMulNBits; BlockMatMul {why}"
+        native, why = kernel_available("attention")
         attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
-        devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider; {attention}", _cpu_precisions(),
-                              "fp32")]
+        devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider; {matmul}; {attention}",
+                              _cpu_precisions(), "fp32")]
         for provider in ort.get_available_providers():
             if provider in _PROVIDERS:
                 note = "provider kernels chosen by shape; lossless up to numerics"
@@ -98,12 +101,14 @@ def session_options(threads: int, libraries=()):
     return opts
 
 
-def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = "slab"):
+def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = "slab",
+                native_matmul: bool = False):
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
     attention: "slab" (one sequence), "pool" (several per call, onnx_batch.py)
     "inplace" (onnxruntime's attention op on the slab, onnx_gqa.py) or "native" (our
-    SlabAttention on the slab, onnx_native.py)."""
+    SlabAttention on the slab, onnx_native.py); native_matmul: quantized linear
+    layers by our BlockMatMul (backends/native)."""
     from importlib.metadata import version
 
     import onnxruntime as ort
@@ -114,6 +119,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
         extra["batched"] = 1
     elif attention != "slab":
         extra["attention"] = attention
+    if native_matmul:
+        extra["matmul"] = "native"
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
@@ -124,7 +131,7 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
             kind = {"pool": " (batched graph)", "inplace": " (in-place attention)",
                     "native": " (in-place SlabAttention)"}.get(attention, "")
             progress(0, 0, f"lowering to ONNX{kind}, {precision} weights (once; cached)")
-        build_llama_onnx(model, precision, path, progress, attention=attention)
+        build_llama_onnx(model, precision, path, progress, attention=attention, native_matmul=native_matmul)
 
     return cached(folder, "model.onnx", build)
 
@@ -155,28 +162,39 @@ class OrtRunner(GraphRunner):
         super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
         self._inplace: InPlaceGraph | None = None
         self._progress = progress
+        self._native_matmul = False  # BlockMatMul in the one-sequence graph (_one_sequence_graph)
         self._load(self._one_sequence_graph() if info.device == "cpu" and _inplace_tested() else "pool")
 
     def _one_sequence_graph(self) -> str:
         """Our SlabAttention where it covers the model and compiles here (onnx_native.py),
-        else onnxruntime's GroupQueryAttention; kernel_choice says which and why."""
+        else onnxruntime's GroupQueryAttention; quantized linear layers by our BlockMatMul
+        where it is on and compiles here (backends/native), else MatMulNBits.
+        kernel_choice says which and why."""
         fits, why = native_fits(self._model.config)
         if fits:
-            fits, why = attention_available()
-        self._attention_note = "attention by our SlabAttention, compiled for this host" if fits else \
+            fits, why = kernel_available("attention")
+        self._kernel_note = "attention by our SlabAttention, compiled for this host" if fits else \
             f"attention by GroupQueryAttention (SlabAttention: {why})"
+        if self.precision.name in _QUANTIZED:
+            self._native_matmul, why = kernel_available("matmul")
+            self._kernel_note += ", quantized matmuls by our BlockMatMul" if self._native_matmul else \
+                f", quantized matmuls by MatMulNBits (BlockMatMul: {why})"
         return "native" if fits else "inplace"
 
     def _load(self, attention: str) -> None:
         import onnxruntime as ort
 
-        path = export_onnx(self._model, self.precision.name, self._progress, attention=attention)
-        self._libraries = (attention_library(),) if attention == "native" else ()
+        one_sequence = attention in ("inplace", "native")
+        native_matmul = one_sequence and self._native_matmul
+        path = export_onnx(self._model, self.precision.name, self._progress, attention=attention,
+                           native_matmul=native_matmul)
+        self._libraries = (library("matmul" if native_matmul else "attention"),) \
+            if native_matmul or attention == "native" else ()
         self._session = self._open(path)
         self._outputs = [o.name for o in self._session.get_outputs()]
         features = len(self.feature_layers) * self._model.config.hidden_size
         self._inplace = InPlaceGraph(self._session, self._layers, self.vocab_size, features) \
-            if attention in ("inplace", "native") else None
+            if one_sequence else None
         # sequences per call: the batched graph takes a server's running set (split above this)
         self.max_batch = 1 if self._inplace else 32
         self.kernel_choice = ""
@@ -184,7 +202,7 @@ class OrtRunner(GraphRunner):
         # the verdict is the graph's and its kernels': our compiled op's build too (its folder names its hash)
         built = "".join(f" {lib.parent.name}" for lib in self._libraries)
         self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}{built}")
-        graph = f"in-place {self._attention_note}, one sequence a call" if self._inplace else "batched graph"
+        graph = f"in-place {self._kernel_note}, one sequence a call" if self._inplace else "batched graph"
         self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
 
     def serve_batches(self) -> None:

@@ -1,6 +1,7 @@
 """SlabAttention against GroupQueryAttention: one model loaded twice in one process
-(HETERO_SD_NATIVE=1 and 0), calls of 1..9 rows at several context lengths and a
-512-token prefill, interleaved round by round.
+(HETERO_SD_NATIVE=matmul,attention and matmul: our BlockMatMul either way), calls of
+1..9 rows at several context lengths and a 512-token prefill, interleaved round by
+round.
 
     python benchmarks/bench_attention.py [--model smollm2-135m] [--precision int4] [--rounds 3]
 
@@ -29,7 +30,7 @@ CONTEXTS, WIDTHS, CALLS = (64, 300, 1000), (1, 2, 3, 5, 9), 8
 
 def load(model: str, precision: str) -> dict:
     runners = {}
-    for name, flag in (("GroupQueryAttention", "0"), ("SlabAttention", "1")):
+    for name, flag in (("GroupQueryAttention", "matmul"), ("SlabAttention", "matmul,attention")):
         with environment({ENV: flag}):
             runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target"))
         print(f"{name}: {runners[name].kernel_choice}", flush=True)

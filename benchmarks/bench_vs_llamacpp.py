@@ -4,7 +4,7 @@ so only figures measured side by side compare):
 
     python benchmarks/bench_vs_llamacpp.py --llamacpp-bin ~/.cache/llama.cpp/build/bin \
         [--model default|qwen2.5-coder-1.5b|FILE.gguf] [--target onnxruntime:cpu:gguf ...] \
-        [--rounds 3] [--new-tokens 128] [--prefill 512] [--padded] [--json FILE]
+        [--rounds 3] [--new-tokens 128] [--prefill 512] [--padded] [--native KERNELS ...] [--json FILE]
 
 Per round, in this order: llama-bench decode (-p 0 -n N), each of our targets'
 decode, llama-bench prefill (-p P -n 0), each target's prefill, then each
@@ -16,12 +16,12 @@ target's verify curve. Ours:
 - prefill: one call of P random tokens (logits for the last row), P / seconds;
 - verify curve: V(k+1) / V(1) for k = 0..8 at a context of 300 tokens, the
   runner's one-token call (padded or not, as its row check decided) as V(1).
-`--padded` loads every target a second time with one-token calls forced
-padded (HETERO_SD_PAD_SINGLE_ROW=1), so the cost of the padding shows in the
-same run; `--native` a third time with our own attention op
-(HETERO_SD_NATIVE=1, backends/native), so the two attentions compare side by
-side. The build of llama.cpp: docs/benchmarks.md. Not a test: speed is
-measured, never asserted.
+Every target loads with the defaults; `--padded` loads it again with one-token
+calls forced padded (HETERO_SD_PAD_SINGLE_ROW=1), so the cost of the padding
+shows in the same run; each `--native KERNELS` again with HETERO_SD_NATIVE=KERNELS
+(which of our own ops run, backends/native: 0 for onnxruntime's alone, 1 for
+all), so the kernels compare side by side. The build of llama.cpp:
+docs/benchmarks.md. Not a test: speed is measured, never asserted.
 """
 from __future__ import annotations
 
@@ -125,11 +125,11 @@ def run(args) -> dict:
     from hetero_sd.config import resolve_model
 
     model = resolve_model(args.model, None)
-    variants = {"": {native.ENV: "0"}}
+    variants = {"": {}}  # the defaults
     if args.padded:
-        variants[" padded"] = {native.ENV: "0", row_check.ENV: "1"}
-    if args.native:
-        variants[" native"] = {native.ENV: "1"}
+        variants[" padded"] = {row_check.ENV: "1"}
+    for kernels in args.native or ():
+        variants[f" {native.ENV}={kernels}"] = {native.ENV: kernels}
     targets = {}
     for placement in args.target:
         for suffix, env in variants.items():
@@ -194,7 +194,9 @@ def parse_args(argv):
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--context", type=int, default=CONTEXT, help="tokens before the verify curve's rows")
     p.add_argument("--padded", action="store_true", help="each target also with one-token calls forced padded")
-    p.add_argument("--native", action="store_true", help="each target also with our own attention op (HETERO_SD_NATIVE=1)")
+    p.add_argument("--native", action="append", metavar="KERNELS",
+                   help="each target also with HETERO_SD_NATIVE=KERNELS (repeatable): which of our own ops "
+                        "(backends/native) run, e.g. 0 (none: onnxruntime's), matmul (the default), 1 (all)")
     p.add_argument("--json", type=Path, help="write the report here too")
     args = p.parse_args(argv)
     if not args.target:

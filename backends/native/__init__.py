@@ -1,20 +1,27 @@
-"""Kernels of our own, compiled on the host that runs them.
+"""Kernels of our own, compiled on the host that runs them: onnxruntime custom ops
+(domain "hetero_sd.native") in one library.
 
-`slab_attention.c` is an onnxruntime custom op (SlabAttention): attention over a
-sequence's KV slab one query row at a time, so a row rounds alike alone or inside
-any verify by construction, and a one-token call needs no second attention row
-(onnx_gqa.py explains why GroupQueryAttention does). It is compiled at first use
-with the machine's C compiler for the host's own instruction set (-march=native:
-AVX2, AVX-512, whatever the CPU has), then cached under the source's hash, the
-compiler's version and the CPU's flags, so a new host or a new source compiles
-again (about a second).
+- `block_matmul.c` (BlockMatMul): the linear layers' block-quantized matmul, on
+  MatMulNBits' own weights, with every row computed alike whatever the call's
+  width. MatMulNBits' one-row kernel rounds apart on most hosts, so an exact
+  one-token step was padded to two rows; with this op it runs as one.
+- `slab_attention.c` (SlabAttention): attention over a sequence's KV slab one
+  query row at a time, so a row rounds alike alone or inside any verify by
+  construction, and a one-token call needs no second attention row (onnx_gqa.py
+  explains why GroupQueryAttention does).
 
-Off unless HETERO_SD_NATIVE=1: measured side by side on a 2-core AMD EPYC
-(AVX-512), it makes a one-token step 9-19% faster on SmolLM2 (more at long
-contexts: 1.7x at 2,000 cached tokens) but a verify of 5-9 rows and a prefill
-slower than GroupQueryAttention's GEMMs (docs/backends.md), and speculative
-decoding lives on verifies. Where it is off, or no compiler is found, the
-graphs use GroupQueryAttention; `attention_library()` says why.
+They are compiled at first use with the machine's C compiler for the host's own
+instruction set (-march=native: AVX2, AVX-512 with VNNI, whatever the CPU has),
+then cached under the sources' hash, the compiler's version and the CPU's flags,
+so a new host or a new source compiles again (a few seconds).
+
+HETERO_SD_NATIVE picks which the CPU's one-sequence graph uses (KERNELS): by
+default BlockMatMul alone. SlabAttention stays opt-in: measured side by side on a
+2-core AMD EPYC (AVX-512), it makes a one-token step 9-19% faster on SmolLM2 but a
+verify of 5-9 rows and a prefill slower than GroupQueryAttention's GEMMs
+(docs/backends.md), and speculative decoding lives on verifies. Where a kernel is
+off, or no compiler is found, the graphs use onnxruntime's own op, and
+`kernel_available()` says why.
 """
 from __future__ import annotations
 
@@ -29,9 +36,17 @@ from pathlib import Path
 from hetero_sd.backends.row_check import host_signature
 from hetero_sd.ir.cache import cache_root, cached
 
-ENV = "HETERO_SD_NATIVE"  # 1: use the compiled kernels where they cover the model
-SOURCE = Path(__file__).with_name("slab_attention.c")
-FLAGS = ("-O2", "-march=native", "-shared", "-fPIC", "-fvisibility=hidden")
+MARCH_ENV = "HETERO_SD_NATIVE_CFLAGS"  # extra compiler flags (tests build the AVX2 code on AVX-512 hosts)
+
+DOMAIN = "hetero_sd.native"  # the custom ops' domain (register.c)
+ENV = "HETERO_SD_NATIVE"  # which kernels: "matmul", "attention", both ("1", "all"), none ("0")
+KERNELS = ("matmul", "attention")
+DEFAULT = ("matmul",)  # with ENV unset
+HERE = Path(__file__).parent
+SOURCES = ("ort_api.h", "block_simd.h", "block_matmul.c", "slab_attention.c", "register.c")
+# -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler
+# inlines them, so every copy of a loop rounds alike (the ops' row invariance)
+FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden")
 
 
 class NativeUnavailable(RuntimeError):
@@ -47,7 +62,7 @@ def _compiler() -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def _build() -> Path:
+def _build(extra_flags: str) -> Path:
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -60,16 +75,18 @@ def _build() -> Path:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     except OSError as e:
         raise NativeUnavailable(f"cannot run {' '.join(cc)}: {e}") from e
+    flags = (*FLAGS, *shlex.split(extra_flags))
     # -march=native: the library is this CPU's (host["isa"] digests all its flags)
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *version, " ".join(FLAGS), host["isa"]]).encode())
+    texts = [(HERE / name).read_text() for name in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *version, " ".join(flags), host["isa"]]).encode())
+    sources = [str(HERE / name) for name in SOURCES if name.endswith(".c")]
 
     def compile_to(target: Path) -> None:
-        run = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(target)], capture_output=True, text=True)
+        run = subprocess.run([*cc, *flags, *sources, "-o", str(target)], capture_output=True, text=True)
         if run.returncode != 0:
-            raise NativeUnavailable(f"{' '.join(cc)} failed on {SOURCE.name}: {run.stderr.strip()[-400:]}")
+            raise NativeUnavailable(f"{' '.join(cc)} failed on the native kernels: {run.stderr.strip()[-400:]}")
 
-    return cached(cache_root() / "native" / f"slab_attention-{key.hexdigest()[:20]}", "slab_attention.so",
-                  compile_to)
+    return cached(cache_root() / "native" / f"kernels-{key.hexdigest()[:20]}", "hetero_sd_native.so", compile_to)
 
 
 def native_fits(cfg) -> tuple[bool, str]:
@@ -87,17 +104,53 @@ def native_fits(cfg) -> tuple[bool, str]:
     return True, ""
 
 
-def attention_library() -> Path:
-    """The compiled SlabAttention library for this host; NativeUnavailable says why not."""
-    if os.environ.get(ENV, "0") != "1":
-        raise NativeUnavailable(f"off ({ENV}=1 turns it on)")
-    return _build()
+def matmul_fits(k: int, bits: int, block: int) -> bool:
+    """Whether BlockMatMul computes a MatMulNBits of this shape (block_matmul.c)."""
+    return bits in (4, 8) and block in (32, 64, 128, 256) and k % 64 == 0 and k % block == 0
 
 
-def attention_available() -> tuple[bool, str]:
+def kernels_on() -> tuple[str, ...]:
+    """The kernels HETERO_SD_NATIVE asks for (DEFAULT where it is unset)."""
+    value = os.environ.get(ENV)
+    if value is None:
+        return DEFAULT
+    value = value.strip().lower()
+    if value in ("1", "all"):
+        return KERNELS
+    if value in ("0", "", "none"):
+        return ()
+    named = tuple(k.strip() for k in value.split(","))
+    unknown = [k for k in named if k not in KERNELS]
+    if unknown:
+        raise ValueError(f"{ENV}={value!r}: unknown kernel {unknown[0]!r}; one or more of {', '.join(KERNELS)}, "
+                         f"or 1 (all), 0 (none)")
+    return named
+
+
+def how_to_turn_on(kernel: str) -> str:
+    others = [k for k in kernels_on() if k != kernel]
+    return f"off ({ENV}={','.join([*others, kernel])} turns it on)"
+
+
+def library(kernel: str) -> Path:
+    """The compiled library, for `kernel` (one of KERNELS); NativeUnavailable says why not."""
+    if kernel not in kernels_on():
+        raise NativeUnavailable(how_to_turn_on(kernel))
+    return _build(os.environ.get(MARCH_ENV, ""))
+
+
+def kernel_available(kernel: str) -> tuple[bool, str]:
     """(usable, why not) without raising."""
     try:
-        attention_library()
+        library(kernel)
         return True, ""
     except NativeUnavailable as e:
         return False, str(e)
+
+
+def attention_library() -> Path:
+    return library("attention")
+
+
+def attention_available() -> tuple[bool, str]:
+    return kernel_available("attention")

@@ -16,91 +16,12 @@
  *          memory as the past inputs (the runner's I/O binding), only the T new rows
  *          are written; otherwise the past rows are copied first.
  * Attributes: num_heads, kv_num_heads, rotary (0/1), scale (float).
- *
- * The onnxruntime C API is declared here by slot (its header is not installed with
- * the wheel): only the functions used, each at its fixed index in OrtApi, which the
- * API only ever appends to. GetApi(17) is the first with KernelContext_ParallelFor.
  */
-#include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtValue OrtValue;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtTensorTypeAndShapeInfo OrtShape;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtSessionOptions OrtSessionOptions;
-
-typedef struct OrtApi {
-  OrtStatus* (*CreateStatus)(int code, const char* msg);                                  /* 0 */
-  void* s1_25[25];
-  OrtStatus* (*CreateCustomOpDomain)(const char*, OrtCustomOpDomain**);                   /* 26 */
-  OrtStatus* (*CustomOpDomain_Add)(OrtCustomOpDomain*, const void* op);                   /* 27 */
-  OrtStatus* (*AddCustomOpDomain)(OrtSessionOptions*, OrtCustomOpDomain*);                /* 28 */
-  void* s29_50[22];
-  OrtStatus* (*GetTensorMutableData)(OrtValue*, void**);                                  /* 51 */
-  void* s52_60[9];
-  OrtStatus* (*GetDimensionsCount)(const OrtShape*, size_t*);                             /* 61 */
-  OrtStatus* (*GetDimensions)(const OrtShape*, int64_t*, size_t);                         /* 62 */
-  void* s63_64[2];
-  OrtStatus* (*GetTensorTypeAndShape)(const OrtValue*, OrtShape**);                       /* 65 */
-  void* s66_84[19];
-  OrtStatus* (*KernelInfoGetAttribute_float)(const OrtKernelInfo*, const char*, float*);  /* 85 */
-  OrtStatus* (*KernelInfoGetAttribute_int64)(const OrtKernelInfo*, const char*, int64_t*);/* 86 */
-  void* s87_89[3];
-  OrtStatus* (*KernelContext_GetInput)(const OrtKernelContext*, size_t, const OrtValue**); /* 90 */
-  OrtStatus* (*KernelContext_GetOutput)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**); /* 91 */
-  void* s92;
-  void (*ReleaseStatus)(OrtStatus*);                                                      /* 93 */
-  void* s94_98[5];
-  void (*ReleaseTensorTypeAndShapeInfo)(OrtShape*);                                       /* 99 */
-  void* s100_273[174];
-  OrtStatus* (*KernelContext_ParallelFor)(const OrtKernelContext*, void (*)(void*, size_t),
-                                          size_t, size_t, void*);                         /* 274 */
-} OrtApi;
-_Static_assert(offsetof(OrtApi, CreateCustomOpDomain) / sizeof(void*) == 26, "slot");
-_Static_assert(offsetof(OrtApi, GetTensorMutableData) / sizeof(void*) == 51, "slot");
-_Static_assert(offsetof(OrtApi, GetTensorTypeAndShape) / sizeof(void*) == 65, "slot");
-_Static_assert(offsetof(OrtApi, KernelInfoGetAttribute_int64) / sizeof(void*) == 86, "slot");
-_Static_assert(offsetof(OrtApi, KernelContext_GetOutput) / sizeof(void*) == 91, "slot");
-_Static_assert(offsetof(OrtApi, ReleaseTensorTypeAndShapeInfo) / sizeof(void*) == 99, "slot");
-_Static_assert(offsetof(OrtApi, KernelContext_ParallelFor) / sizeof(void*) == 274, "slot");
-
-typedef struct OrtApiBase {
-  const OrtApi* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)(void);
-} OrtApiBase;
-
-typedef struct OrtCustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
-  const char* (*GetName)(const struct OrtCustomOp*);
-  const char* (*GetExecutionProviderType)(const struct OrtCustomOp*);
-  int (*GetInputType)(const struct OrtCustomOp*, size_t);
-  size_t (*GetInputTypeCount)(const struct OrtCustomOp*);
-  int (*GetOutputType)(const struct OrtCustomOp*, size_t);
-  size_t (*GetOutputTypeCount)(const struct OrtCustomOp*);
-  void (*KernelCompute)(void*, OrtKernelContext*);
-  void (*KernelDestroy)(void*);
-  int (*GetInputCharacteristic)(const struct OrtCustomOp*, size_t);
-  int (*GetOutputCharacteristic)(const struct OrtCustomOp*, size_t);
-  int (*GetInputMemoryType)(const struct OrtCustomOp*, size_t);
-  int (*GetVariadicInputMinArity)(const struct OrtCustomOp*);
-  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp*);
-  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp*);
-  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
-  OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
-  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
-  void* InferOutputShapeFn;
-  int (*GetStartVersion)(const struct OrtCustomOp*);
-  int (*GetEndVersion)(const struct OrtCustomOp*);
-} OrtCustomOp;
-
-enum { T_FLOAT = 1, T_INT32 = 6, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, API_VERSION = 17 };
+#include "ort_api.h"
 
 /* ---- the numerics: one (row, head) at a time ---------------------------------- */
 
@@ -284,18 +205,6 @@ static void attend(void* arg, size_t task) {
 
 typedef struct { const OrtApi* api; int64_t H, Hkv, rotary; float scale; } Kernel;
 
-static OrtStatus* dims(const OrtApi* api, const OrtValue* v, int64_t* out, size_t* n) {
-  OrtShape* info;
-  OrtStatus* st = api->GetTensorTypeAndShape(v, &info);
-  if (st) return st;
-  st = api->GetDimensionsCount(info, n);
-  if (!st) st = *n <= 4 ? api->GetDimensions(info, out, *n) : api->CreateStatus(ORT_INVALID_ARGUMENT, "rank > 4");
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  return st;
-}
-
-#define TRY(x) do { OrtStatus* st_ = (x); if (st_) return st_; } while (0)
-
 static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   const Kernel* kn = (const Kernel*)self;
   const OrtApi* api = kn->api;
@@ -385,20 +294,10 @@ static size_t outputs(const OrtCustomOp* op) { (void)op; return 3; }
 static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
-static OrtCustomOp slab_attention = {
+OrtCustomOp slab_attention_op = {
   .version = API_VERSION, .GetName = name, .GetExecutionProviderType = provider,
   .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = output_type,
   .GetOutputTypeCount = outputs, .KernelDestroy = destroy, .GetInputCharacteristic = required,
   .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,
   .CreateKernelV2 = create, .KernelComputeV2 = compute,
 };
-
-__attribute__((visibility("default")))
-OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  const OrtApi* api = base->GetApi(API_VERSION);
-  if (!api) return NULL;  /* an onnxruntime older than 1.17 cannot report an error either */
-  OrtCustomOpDomain* dom;
-  TRY(api->CreateCustomOpDomain("hetero_sd.native", &dom));
-  TRY(api->CustomOpDomain_Add(dom, &slab_attention));
-  return api->AddCustomOpDomain(options, dom);
-}

@@ -110,13 +110,14 @@ def test_a_row_rounds_alike_alone_and_in_any_call(library, H, Hkv, D):
 
 def test_it_is_off_unless_asked_and_says_so(monkeypatch):
     monkeypatch.delenv(native.ENV, raising=False)
-    assert native.attention_available() == (False, f"off ({native.ENV}=1 turns it on)")
+    assert native.attention_available() == (False, f"off ({native.ENV}=matmul,attention turns it on)")
 
 
 def test_devices_say_which_attention_runs(monkeypatch):
     monkeypatch.delenv(native.ENV, raising=False)
     cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
-    assert cpu.description.endswith(f"attention: GroupQueryAttention; SlabAttention off ({native.ENV}=1 turns it on)")
+    assert cpu.description.endswith(f"attention: GroupQueryAttention; SlabAttention off ({native.ENV}=matmul,attention "
+                                    "turns it on)")
 
 
 @needs_avx2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetero_sd.backends import row_check
+from hetero_sd.backends import native, row_check
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir import load_model_ir
@@ -16,10 +16,20 @@ from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
 QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4")]
+# onnxruntime's in-place graph by default (our BlockMatMul where it builds) and with
+# onnxruntime's own MatMulNBits (HETERO_SD_NATIVE=0, as where ours cannot build);
+# OpenVINO runs its own kernels either way
+KERNELS = {"onnxruntime": (None, "0"), "openvino": (None,)}
+WITH_KERNELS = [pytest.param(b, p, k, id=f"{b}-{p}-{k or 'default'}") for b, p in QUANTIZED for k in KERNELS[b]]
 CONTEXTS = (3, 12, 40)
 
 
-def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: bool = False):
+def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: bool = False, kernels: str | None = None):
+    """kernels: HETERO_SD_NATIVE (None: the default, our BlockMatMul where it builds)."""
+    if kernels is None:
+        monkeypatch.delenv(native.ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.ENV, kernels)
     if pad is None:
         monkeypatch.delenv(row_check.ENV, raising=False)
     else:
@@ -48,11 +58,12 @@ def _invariant(runner, contexts=CONTEXTS, widths=range(1, 17)) -> list[tuple[int
 
 @pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
 @pytest.mark.parametrize("variant", ["llama", "mistral-swa", "qwen2"])
-@pytest.mark.parametrize("backend,precision", QUANTIZED)
-def test_one_row_decode_equals_every_verify_row(tiny_model_dir, monkeypatch, backend, precision, variant, pad):
+@pytest.mark.parametrize("backend,precision,kernels", WITH_KERNELS)
+def test_one_row_decode_equals_every_verify_row(tiny_model_dir, monkeypatch, backend, precision, kernels, variant,
+                                                pad):
     """For the kernel choice the check makes here and for forced padding: a one-token
     decode equals row i of a k-row verify, k = 1..16, after 3, 12 and 40 tokens."""
-    runner = _load(backend, tiny_model_dir(variant), precision, monkeypatch, pad)
+    runner = _load(backend, tiny_model_dir(variant), precision, monkeypatch, pad, kernels=kernels)
     assert runner.kernel_choice, "a quantized graph runner says how it runs one-token calls"
     assert _invariant(runner) == []
 
@@ -66,12 +77,12 @@ def test_one_row_decode_equals_every_verify_row_in_the_batched_graph(tiny_model_
     assert _invariant(runner) == []
 
 
-@pytest.mark.parametrize("backend,precision", QUANTIZED)
-def test_the_verdict_is_what_an_unpadded_run_shows(tiny_model_dir, monkeypatch, backend, precision):
+@pytest.mark.parametrize("backend,precision,kernels", WITH_KERNELS)
+def test_the_verdict_is_what_an_unpadded_run_shows(tiny_model_dir, monkeypatch, backend, precision, kernels):
     """The check's verdict against an independent comparison of unpadded one-row calls
     on this host: exact where it says exact, and where it says padded, unpadded rows
     really differ (so the padding is not paid for nothing)."""
-    unpadded = _load(backend, tiny_model_dir("llama"), precision, monkeypatch, "0")
+    unpadded = _load(backend, tiny_model_dir("llama"), precision, monkeypatch, "0", kernels=kernels)
     exact, detail = row_check.check(unpadded)
     differs = _invariant(unpadded, contexts=(5, 37), widths=(16, 5, 2))
     assert exact == (differs == []), (detail, differs)
@@ -205,16 +216,17 @@ def test_int4_takes_blocks_of_128_only_where_every_layer_can():
 
 
 @pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
-@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
-def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, backend, pad):
+@pytest.mark.parametrize("backend,kernels", [(b, k) for b in KERNELS for k in KERNELS[b]])
+def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, backend, kernels, pad):
     """A model whose every K is a multiple of 128 (rows of 256 here) gets int4 blocks of 128,
-    whose odd calls round their last row apart on some hosts: with the padding the check
-    picks (or pairs, forced), a one-token decode equals row i of every 1..16-row verify."""
+    whose odd calls round their last row apart on some hosts in MatMulNBits: with the
+    padding the check picks (or pairs, forced), and with our BlockMatMul (zero points
+    too), a one-token decode equals row i of every 1..16-row verify."""
     folder = tiny_model_dir("qwen2-wide")
     from hetero_sd.backends.onnx_weights import wide_blocks
 
     assert wide_blocks(load_model_ir(folder).config)
-    runner = _load(backend, folder, "int4", monkeypatch, pad)
+    runner = _load(backend, folder, "int4", monkeypatch, pad, kernels=kernels)
     assert _invariant(runner) == []
 
 
@@ -226,20 +238,18 @@ def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_di
                                                                    pad):
     """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1) in the in-place
     graph: a one-token call is one row everywhere, no second attention row."""
-    monkeypatch.setenv("HETERO_SD_NATIVE", "1")
-    runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, pad)
+    runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, pad, kernels="1")
     assert "our SlabAttention" in runner.kernel_choice
     assert not runner._inplace.pads_rows
     assert _invariant(runner) == []
 
 
-@pytest.mark.parametrize("native", ["0", pytest.param("1", marks=needs_avx2)])
-def test_a_padded_call_fits_at_the_last_slot(tiny_model_dir, monkeypatch, native):
+@pytest.mark.parametrize("kernels", ["0", pytest.param("1", marks=needs_avx2)])
+def test_a_padded_call_fits_at_the_last_slot(tiny_model_dir, monkeypatch, kernels):
     """A sequence filled to exactly its capacity by one-token calls, each padded by a row
     (forced): the padding row has a slot of its own, whichever attention the graph runs.
     The capacity is a whole window block, so no rounding up leaves a slot to spare."""
-    monkeypatch.setenv("HETERO_SD_NATIVE", native)
-    runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1", kernels=kernels)
     n = runner.WINDOW_BLOCK
     seq, prompt = runner.allocate(n), random_prompt(n, seed=4)
     runner.forward(seq, prompt[:n - 2], 0, 1)

@@ -1,5 +1,5 @@
 """Which hosts can build our own kernels (backends/native): an x86-64 CPU with AVX2.
-Elsewhere the graphs keep GroupQueryAttention, which test_graph_backends.py covers
+Elsewhere the graphs keep onnxruntime's own ops (HETERO_SD_NATIVE=0 runs them here too),
 on every host; a build failure on such a CPU fails the tests that need it."""
 from __future__ import annotations
 
@@ -14,4 +14,10 @@ def x86_avx2() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and "avx2" in host_signature()["flags"]
 
 
-needs_avx2 = pytest.mark.skipif(not x86_avx2(), reason="SlabAttention needs an x86-64 CPU with AVX2")
+needs_avx2 = pytest.mark.skipif(not x86_avx2(), reason="our kernels need an x86-64 CPU with AVX2")
+
+
+def x86_avx512() -> bool:
+    """Whether the host runs BlockMatMul's AVX-512 VNNI code (its AVX2 code runs there too)."""
+    flags = host_signature()["flags"]
+    return x86_avx2() and all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
