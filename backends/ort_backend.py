@@ -4,6 +4,7 @@ npu:N -> CANN (Ascend). Weight-only int8/int4 use onnxruntime's own
 MatMulNBits quantizer; the LM head stays at 8 bits or more (4-bit breaks it)."""
 from __future__ import annotations
 
+import gc
 import os
 
 from typing import Sequence
@@ -15,7 +16,7 @@ from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
 # native_fits from backends/native, not onnx_native: a warm start must not import onnx
-from hetero_sd.backends.native import kernel_available, library, native_fits
+from hetero_sd.backends.native import MATMUL_ENV, kernel_available, library, matmul_policy, native_fits
 from hetero_sd.backends.row_check import padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError
@@ -161,6 +162,7 @@ class OrtRunner(GraphRunner):
                  progress=None):
         super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
         self._inplace: InPlaceGraph | None = None
+        self._session = None
         self._progress = progress
         self._native_matmul = False  # BlockMatMul in the one-sequence graph (_one_sequence_graph)
         self._load(self._one_sequence_graph() if info.device == "cpu" and _inplace_tested() else "pool")
@@ -182,26 +184,71 @@ class OrtRunner(GraphRunner):
         return "native" if fits else "inplace"
 
     def _load(self, attention: str) -> None:
+        """Open `attention`'s graph. In the one-sequence graph the quantized matmuls go to
+        our BlockMatMul only where MatMulNBits needs padded calls on this host (its row
+        check's verdict, cached after the first load, which then checks MatMulNBits'
+        graph first): BlockMatMul needs none, but where MatMulNBits is exact unpadded
+        its GEMMs are the faster (SmolLM2 int4, blocks of 32, on a 2-core AMD EPYC with
+        AVX-512: 0.96x llama-bench's decode with MatMulNBits, 0.85x with ours; the 1.5B,
+        whose blocks of 128 MatMulNBits pads there: 0.87x padded, 0.92-1.00x ours).
+        HETERO_SD_NATIVE_MATMUL=always runs BlockMatMul whatever MatMulNBits' verdict."""
+        one_sequence = attention in ("inplace", "native")
+        if not (one_sequence and self._native_matmul):
+            self._open_graph(attention, native_matmul=False)
+            return
+        if matmul_policy() == "always":
+            self._kernel_note += f" ({MATMUL_ENV}=always)"
+            self._open_graph(attention, native_matmul=True)
+            return
+        theirs = self.cached_padding(self._graph_path(attention, False), self._runtime(False, attention)[1])
+        if theirs is None:  # not known on this host yet: check MatMulNBits' graph (the verdict is cached)
+            self._open_graph(attention, native_matmul=False, note=False)
+            theirs = self._padding
+            if theirs != "none":
+                self._session = self._inplace = None
+                gc.collect()  # its weights go before ours load
+        if theirs == "none":
+            if self._session is None:
+                self._open_graph(attention, native_matmul=False, note=False)
+            self._kernel_note = self._kernel_note.replace(
+                ", quantized matmuls by our BlockMatMul",
+                ", quantized matmuls by MatMulNBits (exact unpadded on this host; BlockMatMul runs where it is not)")
+            self._note_graph()
+            return
+        self._kernel_note += f" (MatMulNBits would pad: {theirs})"
+        self._open_graph(attention, native_matmul=True)
+
+    def _graph_path(self, attention: str, native_matmul: bool):
+        return export_onnx(self._model, self.precision.name, self._progress, attention=attention,
+                           native_matmul=native_matmul)
+
+    def _runtime(self, native_matmul: bool, attention: str) -> tuple:
+        """(our compiled library or none, the runtime string the row check keys on: the
+        verdict is the graph's and its kernels', our op's build too, its folder names its hash)."""
         import onnxruntime as ort
 
-        one_sequence = attention in ("inplace", "native")
-        native_matmul = one_sequence and self._native_matmul
-        path = export_onnx(self._model, self.precision.name, self._progress, attention=attention,
-                           native_matmul=native_matmul)
-        self._libraries = (library("matmul" if native_matmul else "attention"),) \
+        libraries = (library("matmul" if native_matmul else "attention"),) \
             if native_matmul or attention == "native" else ()
+        built = "".join(f" {lib.parent.name}" for lib in libraries)
+        return libraries, f"onnxruntime {ort.__version__} {self.device.device}{built}"
+
+    def _open_graph(self, attention: str, native_matmul: bool, note: bool = True) -> None:
+        path = self._graph_path(attention, native_matmul)
+        self._libraries, runtime = self._runtime(native_matmul, attention)
         self._session = self._open(path)
         self._outputs = [o.name for o in self._session.get_outputs()]
         features = len(self.feature_layers) * self._model.config.hidden_size
         self._inplace = InPlaceGraph(self._session, self._layers, self.vocab_size, features) \
-            if one_sequence else None
+            if attention in ("inplace", "native") else None
         # sequences per call: the batched graph takes a server's running set (split above this)
         self.max_batch = 1 if self._inplace else 32
         self.kernel_choice = ""
         self._padding = "pairs" if self._checks_rows else "none"  # each graph is checked on its own
-        # the verdict is the graph's and its kernels': our compiled op's build too (its folder names its hash)
-        built = "".join(f" {lib.parent.name}" for lib in self._libraries)
-        self.settle_padding(path, f"onnxruntime {ort.__version__} {self.device.device}{built}")
+        self.settle_padding(path, runtime)
+        if note:
+            self._note_graph()
+
+    def _note_graph(self) -> None:
         graph = f"in-place {self._kernel_note}, one sequence a call" if self._inplace else "batched graph"
         self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
 

@@ -109,11 +109,8 @@ def _forced() -> Verdict | None:
     return None
 
 
-def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
-    """The verdict for `runner` (a graph runner whose calls are unpadded while this
-    runs), from the override, the cache, or a check now: the cheapest exact padding.
-    `label` names the model and placement in the cache entry (hetero-sd devices lists
-    them). Raises BackendError where no padding makes the rows round alike."""
+def cached_verdict(cache_folder: Path | None) -> Verdict | None:
+    """The override's verdict, or the one cached in `cache_folder`; None: only a check can tell."""
     forced = _forced()
     if forced is not None:
         return forced
@@ -125,6 +122,18 @@ def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
                 return Verdict(got["padding"], "cached", got.get("detail", ""))
         except (OSError, ValueError, KeyError):
             pass  # a broken entry: check again
+    return None
+
+
+def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
+    """The verdict for `runner` (a graph runner whose calls are unpadded while this
+    runs), from the override, the cache, or a check now: the cheapest exact padding.
+    `label` names the model and placement in the cache entry (hetero-sd devices lists
+    them). Raises BackendError where no padding makes the rows round alike."""
+    known = cached_verdict(cache_folder)
+    if known is not None:
+        return known
+    path = None if cache_folder is None else cache_folder / "row_check.json"
     t0 = time.perf_counter()
     found = []
     for padding in PADDINGS:

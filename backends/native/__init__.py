@@ -41,6 +41,10 @@ MARCH_ENV = "HETERO_SD_NATIVE_CFLAGS"  # extra compiler flags (tests build the A
 DOMAIN = "hetero_sd.native"  # the custom ops' domain (register.c)
 ENV = "HETERO_SD_NATIVE"  # which kernels: "matmul", "attention", both ("1", "all"), none ("0")
 KERNELS = ("matmul", "attention")
+# where BlockMatMul runs: "auto", only where MatMulNBits needs padded calls on the host
+# (the row check's verdict: ort_backend.OrtRunner._load), or "always"
+MATMUL_ENV = "HETERO_SD_NATIVE_MATMUL"
+MATMUL_POLICIES = ("auto", "always")
 DEFAULT = ("matmul",)  # with ENV unset
 HERE = Path(__file__).parent
 SOURCES = ("ort_api.h", "block_simd.h", "block_matmul.c", "slab_attention.c", "register.c")
@@ -125,6 +129,13 @@ def kernels_on() -> tuple[str, ...]:
         raise ValueError(f"{ENV}={value!r}: unknown kernel {unknown[0]!r}; one or more of {', '.join(KERNELS)}, "
                          f"or 1 (all), 0 (none)")
     return named
+
+
+def matmul_policy() -> str:
+    value = os.environ.get(MATMUL_ENV, "auto").strip().lower() or "auto"
+    if value not in MATMUL_POLICIES:
+        raise ValueError(f"{MATMUL_ENV}={value!r}: one of {', '.join(MATMUL_POLICIES)}")
+    return value
 
 
 def how_to_turn_on(kernel: str) -> str:

@@ -177,10 +177,11 @@ def test_devices_say_which_matmul_runs(monkeypatch, kernels):
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen2-wide"])  # qwen2-wide: 4-bit blocks of 128, zero points
 @pytest.mark.parametrize("precision,tol", [("int8", 0.2), ("int4", 1.5)])  # test_graph_backends CASES
 def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, kernels, variant, precision, tol):
-    """The in-place graph with BlockMatMul, and with MatMulNBits (HETERO_SD_NATIVE=0, as
-    on a host that cannot build ours), against transformers' logits, prefill and
-    token by token."""
+    """The in-place graph with BlockMatMul (always), and with MatMulNBits
+    (HETERO_SD_NATIVE=0, as on a host that cannot build ours), against transformers'
+    logits, prefill and token by token."""
     monkeypatch.setenv(native.ENV, kernels)
+    monkeypatch.setenv(native.MATMUL_ENV, "always")
     ir = load_model_ir(tiny_model_dir(variant))
     runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
     assert ("by our BlockMatMul" in runner.kernel_choice) == (kernels == "matmul"), runner.kernel_choice
@@ -214,3 +215,32 @@ def test_the_lowering_puts_our_op_on_every_quantized_linear_layer(tiny_model_dir
     for a, b in zip(ours, theirs):
         assert list(a.input) == list(b.input) and a.domain == native.DOMAIN
         assert {x.name: x.i for x in a.attribute} == {x.name: x.i for x in b.attribute if x.name != "accuracy_level"}
+
+
+@needs_avx2
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_by_default_our_op_runs_only_where_matmulnbits_would_pad(tiny_model_dir, monkeypatch, precision):
+    """HETERO_SD_NATIVE_MATMUL=auto (the default): BlockMatMul where MatMulNBits' own row
+    check, on this host, pads calls; MatMulNBits where it is exact unpadded (its GEMMs are
+    the faster there). Forcing MatMulNBits' padding (as a host whose one-row kernel rounds
+    apart) puts ours in; its verdict is then its own."""
+    from hetero_sd.backends import row_check
+
+    monkeypatch.delenv(native.MATMUL_ENV, raising=False)
+    monkeypatch.setenv(native.ENV, "matmul")
+    ir = load_model_ir(tiny_model_dir("llama"))
+    monkeypatch.setenv(native.ENV, "0")
+    monkeypatch.delenv(row_check.ENV, raising=False)
+    theirs = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)._padding
+    monkeypatch.setenv(native.ENV, "matmul")
+    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
+    if theirs == "none":
+        assert "by MatMulNBits (exact unpadded on this host" in runner.kernel_choice
+    else:
+        assert f"by our BlockMatMul (MatMulNBits would pad: {theirs})" in runner.kernel_choice
+    monkeypatch.setenv(row_check.ENV, "pairs")  # as a host where MatMulNBits pads
+    forced = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
+    assert "by our BlockMatMul (MatMulNBits would pad: pairs)" in forced.kernel_choice
+    monkeypatch.setenv(native.MATMUL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="HETERO_SD_NATIVE_MATMUL='sometimes': one of auto, always"):
+        REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)

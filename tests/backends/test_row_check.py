@@ -16,18 +16,30 @@ from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
 QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4")]
-# onnxruntime's in-place graph by default (our BlockMatMul where it builds) and with
-# onnxruntime's own MatMulNBits (HETERO_SD_NATIVE=0, as where ours cannot build);
-# OpenVINO runs its own kernels either way
-KERNELS = {"onnxruntime": (None, "0"), "openvino": (None,)}
-WITH_KERNELS = [pytest.param(b, p, k, id=f"{b}-{p}-{k or 'default'}") for b, p in QUANTIZED for k in KERNELS[b]]
+# onnxruntime's in-place graph by default (BlockMatMul where MatMulNBits would pad),
+# with our BlockMatMul always (where it builds) and with onnxruntime's own MatMulNBits
+# (HETERO_SD_NATIVE=0, as where ours cannot build); OpenVINO runs its own either way
+KERNELS = {"onnxruntime": (None, pytest.param("always", marks=needs_avx2), "0"), "openvino": (None,)}
+def _kernel_cases(backend):
+    for k in KERNELS[backend]:
+        value, marks = (k.values[0], k.marks) if hasattr(k, "values") else (k, ())
+        yield value, marks, value or "default"
+
+
+WITH_KERNELS = [pytest.param(b, p, k, marks=m, id=f"{b}-{p}-{name}") for b, p in QUANTIZED
+                for k, m, name in _kernel_cases(b)]
 CONTEXTS = (3, 12, 40)
 
 
 def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: bool = False, kernels: str | None = None):
-    """kernels: HETERO_SD_NATIVE (None: the default, our BlockMatMul where it builds)."""
+    """kernels: HETERO_SD_NATIVE (None: the default: our BlockMatMul where it builds and
+    MatMulNBits would pad); "always": BlockMatMul whatever MatMulNBits' verdict."""
+    monkeypatch.delenv(native.MATMUL_ENV, raising=False)
     if kernels is None:
         monkeypatch.delenv(native.ENV, raising=False)
+    elif kernels == "always":
+        monkeypatch.setenv(native.ENV, "matmul")
+        monkeypatch.setenv(native.MATMUL_ENV, "always")
     else:
         monkeypatch.setenv(native.ENV, kernels)
     if pad is None:
@@ -174,16 +186,19 @@ def test_no_exact_padding_is_an_error_not_a_guess(tmp_path, monkeypatch):
     assert not (tmp_path / "row_check.json").exists()  # nothing cached: a later load checks again
 
 
-@pytest.mark.parametrize("backend,precision,batches", [("onnxruntime", "int4", False), ("onnxruntime", "int4", True),
-                                                       ("openvino", "int4", False)],
-                         ids=["onnxruntime-in-place", "onnxruntime-batched", "openvino"])
-def test_a_draft_runner_runs_one_token_calls_unpadded(tiny_model_dir, monkeypatch, backend, precision, batches):
+@pytest.mark.parametrize("backend,precision,batches,kernels", [
+    ("onnxruntime", "int4", False, "0"), pytest.param("onnxruntime", "int4", False, "always", marks=needs_avx2),
+    ("onnxruntime", "int4", True, "0"), ("openvino", "int4", False, None)],
+    ids=["onnxruntime-in-place", "onnxruntime-in-place-blockmatmul", "onnxruntime-batched", "openvino"])
+def test_a_draft_runner_runs_one_token_calls_unpadded(tiny_model_dir, monkeypatch, backend, precision, batches,
+                                                      kernels):
     """draft_only(): a padded runner stops padding (a draft's rows are proposals), says so
     in its kernel choice, and its one-token call is the unpadded one, bitwise; it stays
-    unpadded when onnxruntime reloads its batched graph."""
+    unpadded when onnxruntime reloads its batched graph. (The same kernels both ways: by
+    default a forced padding would send onnxruntime's matmuls to our BlockMatMul.)"""
     folder = tiny_model_dir("llama")
-    plain = _load(backend, folder, precision, monkeypatch, "0", batches)
-    runner = _load(backend, folder, precision, monkeypatch, "1", False)
+    plain = _load(backend, folder, precision, monkeypatch, "0", batches, kernels=kernels)
+    runner = _load(backend, folder, precision, monkeypatch, "1", False, kernels=kernels)
     assert runner.pads_single_row
     runner.draft_only()
     if batches:
@@ -216,7 +231,8 @@ def test_int4_takes_blocks_of_128_only_where_every_layer_can():
 
 
 @pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
-@pytest.mark.parametrize("backend,kernels", [(b, k) for b in KERNELS for k in KERNELS[b]])
+@pytest.mark.parametrize("backend,kernels", [pytest.param(b, k, marks=m, id=f"{b}-{name}") for b in KERNELS
+                                             for k, m, name in _kernel_cases(b)])
 def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, backend, kernels, pad):
     """A model whose every K is a multiple of 128 (rows of 256 here) gets int4 blocks of 128,
     whose odd calls round their last row apart on some hosts in MatMulNBits: with the
