@@ -340,21 +340,16 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   return NULL;
 }
 
-static void destroy(void* k) { free(k); }
 static const char* name(const OrtCustomOp* op) { (void)op; return "BlockMatMul"; }
-static const char* provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 || i == 2 ? T_FLOAT : T_UINT8; }
 static size_t inputs(const OrtCustomOp* op) { (void)op; return 4; }
-static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return T_FLOAT; }
 static size_t outputs(const OrtCustomOp* op) { (void)op; return 1; }
 static int in_kind(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? 1 : 0; }  /* zero_points optional */
-static int out_kind(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
-static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
 OrtCustomOp block_matmul_op = {
-  .version = API_VERSION, .GetName = name, .GetExecutionProviderType = provider,
-  .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = output_type,
-  .GetOutputTypeCount = outputs, .KernelDestroy = destroy, .GetInputCharacteristic = in_kind,
-  .GetOutputCharacteristic = out_kind, .GetInputMemoryType = mem_default,
+  .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_cpu,
+  .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = op_float,
+  .GetOutputTypeCount = outputs, .KernelDestroy = op_free, .GetInputCharacteristic = in_kind,
+  .GetOutputCharacteristic = op_required, .GetInputMemoryType = op_cpu_memory,
   .CreateKernelV2 = create, .KernelComputeV2 = compute,
 };

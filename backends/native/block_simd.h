@@ -19,6 +19,23 @@ typedef __m256i ivec;
 typedef __m256 fvec;
 #endif
 
+/* the zero points of up to 16 blocks, one byte each; `safe`: 16 of them may be read
+ * (lanes past the row's blocks then hold the next column's, which a zero scale masks) */
+static inline __m128i zero_bytes(const uint8_t* z, int bits, int n, int safe) {
+  __m128i b;
+  if (safe) b = bits == 4 ? _mm_loadl_epi64((const __m128i*)z) : _mm_loadu_si128((const __m128i*)z);
+  else {
+    uint8_t buf[16] = {0};
+    memcpy(buf, z, bits == 4 ? (size_t)(n + 1) / 2 : (size_t)n);
+    b = _mm_loadu_si128((const __m128i*)buf);
+  }
+  if (bits == 4) {
+    const __m128i m = _mm_set1_epi8(15);
+    b = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+  }
+  return b;
+}
+
 #if WIDE
 static inline fvec fload(const float* p) { return _mm512_loadu_ps(p); }
 static inline fvec fzero(void) { return _mm512_setzero_ps(); }
@@ -47,21 +64,8 @@ static inline void load4(const uint8_t* p, int tail, ivec* lo, ivec* hi) {
   *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
 }
 static inline ivec load8(const uint8_t* p) { return _mm512_loadu_si512(p); }
-/* the zero points of VL blocks as floats; `safe`: VL of them may be read (lanes past
- * the row's blocks then hold the next column's, which a zero scale masks) */
 static inline fvec zeros_of(const uint8_t* z, int bits, int n, int safe) {
-  __m128i b;
-  if (safe) b = bits == 4 ? _mm_loadl_epi64((const __m128i*)z) : _mm_loadu_si128((const __m128i*)z);
-  else {
-    uint8_t buf[16] = {0};
-    memcpy(buf, z, bits == 4 ? (size_t)(n + 1) / 2 : (size_t)n);
-    b = _mm_loadu_si128((const __m128i*)buf);
-  }
-  if (bits == 4) {
-    const __m128i m = _mm_set1_epi8(15);
-    b = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-  }
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(zero_bytes(z, bits, n, safe)));
 }
 #define FMAX(a, b) _mm512_max_ps(a, b)
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
@@ -128,18 +132,7 @@ static inline void load4(const uint8_t* p, int tail, ivec* lo, ivec* hi) {
 }
 static inline ivec load8(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 static inline fvec zeros_of(const uint8_t* z, int bits, int n, int safe) {
-  __m128i b;
-  if (safe) b = bits == 4 ? _mm_loadl_epi64((const __m128i*)z) : _mm_loadu_si128((const __m128i*)z);
-  else {
-    uint8_t buf[16] = {0};
-    memcpy(buf, z, bits == 4 ? (size_t)(n + 1) / 2 : (size_t)n);
-    b = _mm_loadu_si128((const __m128i*)buf);
-  }
-  if (bits == 4) {
-    const __m128i m = _mm_set1_epi8(15);
-    b = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-  }
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zero_bytes(z, bits, n, safe)));
 }
 #define FMAX(a, b) _mm256_max_ps(a, b)
 #define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)

@@ -284,20 +284,15 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   return NULL;
 }
 
-static void destroy(void* k) { free(k); }
 static const char* name(const OrtCustomOp* op) { (void)op; return "SlabAttention"; }
-static const char* provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? T_INT32 : T_FLOAT; }
 static size_t inputs(const OrtCustomOp* op) { (void)op; return 6; }
-static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return T_FLOAT; }
 static size_t outputs(const OrtCustomOp* op) { (void)op; return 3; }
-static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
-static int mem_default(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
 OrtCustomOp slab_attention_op = {
-  .version = API_VERSION, .GetName = name, .GetExecutionProviderType = provider,
-  .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = output_type,
-  .GetOutputTypeCount = outputs, .KernelDestroy = destroy, .GetInputCharacteristic = required,
-  .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,
+  .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_cpu,
+  .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = op_float,
+  .GetOutputTypeCount = outputs, .KernelDestroy = op_free, .GetInputCharacteristic = op_required,
+  .GetOutputCharacteristic = op_required, .GetInputMemoryType = op_cpu_memory,
   .CreateKernelV2 = create, .KernelComputeV2 = compute,
 };
