@@ -13,7 +13,7 @@ import numpy as np
 
 from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
-from hetero_sd.backends.row_check import CHECK_VERSION, cached_verdict, host_signature, padded, settle
+from hetero_sd.backends.row_check import CHECK_VERSION, Verdict, cached_verdict, host_signature, padded, settle
 from hetero_sd.ir.cache import cache_dir
 from hetero_sd.ir.errors import BackendError, KVBudgetError
 from hetero_sd.ir.model import ModelIR
@@ -91,13 +91,12 @@ class GraphRunner(PooledRunner):
         return cache_dir("row-check", self._model, check=CHECK_VERSION, host=host_signature(),
                          runtime=runtime, graph=str(graph), precision=self.precision.name)
 
-    def cached_padding(self, graph: Path, runtime: str) -> str | None:
-        """The padding the row check would give `graph` here without running it (forced, or
-        cached by an earlier load on this host); None where only a check can tell."""
+    def cached_padding(self, graph: Path, runtime: str) -> Verdict | None:
+        """The row check's verdict for `graph` here without running it (forced, or cached by
+        an earlier load on this host); None where only a check can tell."""
         if not self._checks_rows:
-            return "none"
-        verdict = cached_verdict(self._row_check_folder(graph, runtime))
-        return None if verdict is None else verdict.padding
+            return Verdict("none", "not needed")
+        return cached_verdict(self._row_check_folder(graph, runtime))
 
     def draft_only(self) -> None:
         """A drafter's runner (backends/base.py): one-token calls run unpadded, at the

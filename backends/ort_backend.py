@@ -200,10 +200,15 @@ class OrtRunner(GraphRunner):
             self._kernel_note += f" ({MATMUL_ENV}=always)"
             self._open_graph(attention, native_matmul=True)
             return
-        theirs = self.cached_padding(self._graph_path(attention, False), self._runtime(False, attention)[1])
-        if theirs is None:  # not known on this host yet: check MatMulNBits' graph (the verdict is cached)
-            self._open_graph(attention, native_matmul=False, note=False)
-            theirs = self._padding
+        known = self.cached_padding(self._graph_path(attention, False), self._runtime(False, attention)[1])
+        if known is not None:
+            theirs = known.padding if known.how != "forced" else f"{known.padding} ({known.detail})"
+        else:  # not known on this host yet: check MatMulNBits' graph (the verdict is cached)
+            try:
+                self._open_graph(attention, native_matmul=False, note=False)
+                theirs = self._padding
+            except BackendError:  # no padding makes it exact here (not cached): ours needs none
+                theirs = "no padding is exact"
             if theirs != "none":
                 self._session = self._inplace = None
                 gc.collect()  # its weights go before ours load

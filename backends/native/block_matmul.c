@@ -110,8 +110,9 @@ typedef struct { const Job* j; const float* a; int8_t* qa; float *dexp, *g, *d; 
 static void quantize_task(void* arg, size_t m) {
   const Quant* q = (const Quant*)arg;
   const Job* j = q->j;
-  quantize_row(j, q->a + m * j->K, q->qa + m * j->qstride, q->dexp + m * j->steps * j->dlanes, q->g + m * j->kbp,
-               q->d + m * j->kb);
+  int8_t* row = q->qa + m * j->qstride;
+  quantize_row(j, q->a + m * j->K, row, q->dexp + m * j->steps * j->dlanes, q->g + m * j->kbp, q->d + m * j->kb);
+  memset(row + j->K, 0, PAD);  /* a tail step reads past K (against zero weights): no stale bytes there */
 }
 
 
@@ -274,6 +275,13 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   TRY(api->GetTensorMutableData((OrtValue*)in[1], &pb));
   TRY(api->GetTensorMutableData((OrtValue*)in[2], &ps));
   if (in[3]) TRY(api->GetTensorMutableData((OrtValue*)in[3], &pz));
+  {
+    int64_t sd[4], total = 1;
+    size_t ns;
+    TRY(dims(api, in[2], sd, &ns));
+    for (size_t i = 0; i < ns; i++) total *= sd[i];
+    if (total != N * kb) return api->CreateStatus(ORT_INVALID_ARGUMENT, "BlockMatMul: scales [N * K / block]");
+  }
   if (in[3]) {
     int64_t zd[4];
     size_t nz;

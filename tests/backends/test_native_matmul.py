@@ -240,7 +240,31 @@ def test_by_default_our_op_runs_only_where_matmulnbits_would_pad(tiny_model_dir,
         assert f"by our BlockMatMul (MatMulNBits would pad: {theirs})" in runner.kernel_choice
     monkeypatch.setenv(row_check.ENV, "pairs")  # as a host where MatMulNBits pads
     forced = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
-    assert "by our BlockMatMul (MatMulNBits would pad: pairs)" in forced.kernel_choice
+    assert f"by our BlockMatMul (MatMulNBits would pad: pairs ({row_check.ENV}=pairs))" in forced.kernel_choice
     monkeypatch.setenv(native.MATMUL_ENV, "sometimes")
     with pytest.raises(ValueError, match="HETERO_SD_NATIVE_MATMUL='sometimes': one of auto, always"):
         REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
+
+
+@needs_avx2
+def test_where_no_padding_makes_matmulnbits_exact_ours_runs(tiny_model_dir, monkeypatch, tmp_path):
+    """A host where MatMulNBits rounds rows apart under every padding (its row check
+    fails: simulated): the load does not fail, BlockMatMul runs, and its own check passes."""
+    from hetero_sd.backends import graph_runner, row_check
+    from hetero_sd.ir.errors import BackendError
+
+    real = graph_runner.settle
+
+    def settle(runner, folder, label=""):
+        if not runner._libraries:  # MatMulNBits' graph
+            raise BackendError("rows round apart between call widths under every padding (simulated)")
+        return real(runner, folder, label)
+
+    monkeypatch.setattr(graph_runner, "settle", settle)
+    monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path))  # no verdict cached by an earlier test
+    for name in (native.MATMUL_ENV, row_check.ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(native.ENV, "matmul")
+    runner = REGISTRY.get("onnxruntime").load(load_model_ir(tiny_model_dir("qwen2")), "cpu", "int4", 1 << 20)
+    assert "by our BlockMatMul (MatMulNBits would pad: no padding is exact)" in runner.kernel_choice
+    assert runner.padding == "none"
