@@ -54,7 +54,9 @@ class OrtBackend:
         desc = f"onnxruntime {ort.__version__}"
         # which ops the one-sequence graph runs (a model may still not fit them)
         native, why = kernel_available("matmul")
-        matmul = "quantized matmul: our BlockMatMul" if native else f"quantized matmul: MatMulNBits; BlockMatMul {why}"
+        where = "" if matmul_policy() == "always" else " where MatMulNBits would pad (its row check)"
+        matmul = f"quantized matmul: our BlockMatMul{where}" if native else \
+            f"quantized matmul: MatMulNBits; BlockMatMul {why}"
         native, why = kernel_available("attention")
         attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
         devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider; {matmul}; {attention}",
