@@ -9,15 +9,28 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1   /* 16 int32 lanes, VNNI dot products */
+#define MM(name) _mm512_##name  /* the width's intrinsic */
 enum { VL = 16 };
 typedef __m512i ivec;
 typedef __m512 fvec;
 #else
 #define WIDE 0   /* AVX2: 8 int32 lanes, maddubs */
+#define MM(name) _mm256_##name
 enum { VL = 8 };
 typedef __m256i ivec;
 typedef __m256 fvec;
 #endif
+
+/* the float and int32 lane operations both widths name alike */
+#define FMAX(a, b) MM(max_ps)(a, b)
+#define FMA(a, b, c) MM(fmadd_ps)(a, b, c)
+#define FNMA(a, b, c) MM(fnmadd_ps)(a, b, c)
+#define MUL(a, b) MM(mul_ps)(a, b)
+#define SUB(a, b) MM(sub_ps)(a, b)
+#define CVT(i) MM(cvtepi32_ps)(i)
+#define ROUND(f) MM(cvtps_epi32)(f)
+#define SET1(x) MM(set1_ps)(x)
+#define IADD(a, b) MM(add_epi32)(a, b)
 
 /* the zero points of up to 16 blocks, one byte each; `safe`: 16 of them may be read
  * (lanes past the row's blocks then hold the next column's, which a zero scale masks) */
@@ -67,15 +80,6 @@ static inline ivec load8(const uint8_t* p) { return _mm512_loadu_si512(p); }
 static inline fvec zeros_of(const uint8_t* z, int bits, int n, int safe) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(zero_bytes(z, bits, n, safe)));
 }
-#define FMAX(a, b) _mm512_max_ps(a, b)
-#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
-#define MUL(a, b) _mm512_mul_ps(a, b)
-#define SUB(a, b) _mm512_sub_ps(a, b)
-#define CVT(i) _mm512_cvtepi32_ps(i)
-#define ROUND(f) _mm512_cvtps_epi32(f)
-#define SET1(x) _mm512_set1_ps(x)
-#define IADD(a, b) _mm512_add_epi32(a, b)
 #else
 static inline fvec fload(const float* p) { return _mm256_loadu_ps(p); }
 static inline fvec fzero(void) { return _mm256_setzero_ps(); }
@@ -134,15 +138,6 @@ static inline ivec load8(const uint8_t* p) { return _mm256_loadu_si256((const __
 static inline fvec zeros_of(const uint8_t* z, int bits, int n, int safe) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zero_bytes(z, bits, n, safe)));
 }
-#define FMAX(a, b) _mm256_max_ps(a, b)
-#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
-#define MUL(a, b) _mm256_mul_ps(a, b)
-#define SUB(a, b) _mm256_sub_ps(a, b)
-#define CVT(i) _mm256_cvtepi32_ps(i)
-#define ROUND(f) _mm256_cvtps_epi32(f)
-#define SET1(x) _mm256_set1_ps(x)
-#define IADD(a, b) _mm256_add_epi32(a, b)
 #endif
 
 
