@@ -312,9 +312,10 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         if key in cfg.drafter.model_fields_set and cfg.drafter.kind not in kinds:
             raise ConfigError(f"{path}: drafter.{key} needs drafter.kind: {' or '.join(kinds)} "
                               f"(kind is {cfg.drafter.kind!r})")
-    if cfg.drafter.vocab is not None and cfg.drafter.kind != "model":
+    d = cfg.drafter
+    if d.vocab is not None and not (d.kind == "model" or (d.kind == "hybrid" and d.hybrid_with == "model")):
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
-                          f"drafter.kind: model (kind is {cfg.drafter.kind!r})")
+                          f"drafter.kind: model, or hybrid with hybrid_with: model (kind is {d.kind!r})")
     _check_workers(cfg, path)
     check_ray(cfg, path)
     cfg.generation.constraint_spec(str(path))  # a bad grammar fails now, naming the file and key

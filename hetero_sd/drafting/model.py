@@ -128,9 +128,12 @@ def greedy_prob(runner: Runner, seq: int, feed: list[int], start: int, want_prob
     asked for: then only the ids are asked of the runner)."""
     if not want_prob:
         return runner.greedy(seq, feed, start, 1)[0], 1.0
-    logits = runner.forward(seq, feed, start, 1)[-1].astype(np.float64)
+    logits = runner.forward(seq, feed, start, 1)[-1]
     token = int(logits.argmax())
-    return token, float(1.0 / np.exp(logits - logits[token]).sum())
+    # exp in the logits' float32, summed in float64: over the 0.5B's 152k ids a tenth
+    # of a float64 pass (0.1 against 1.6 ms a draft step on 2 cores); the probability
+    # only decides how far a round drafts, never which token is output
+    return token, float(1.0 / np.exp(logits - logits[token]).sum(dtype=np.float64))
 
 
 class DraftStop:

@@ -104,7 +104,21 @@ def test_vocab_key_in_yaml_reaches_the_draft(pair, tmp_path):
         assert out.token_ids == engine.generate_ids(random_prompt(8, seed=1), 12, target_only=True).token_ids
     finally:
         engine.close()
+    # a hybrid's draft model takes the key too: suffix drafts on long matches, the cut draft elsewhere
+    path.write_text(f"target: {{model: {pair[0]}, backend: onnxruntime, precision: gguf}}\n"
+                    f"drafter: {{kind: hybrid, hybrid_with: model, model: {pair[1]}, backend: onnxruntime, "
+                    "precision: gguf, vocab: 200, k: 3}\n"
+                    "generation: {max_new_tokens: 12, chat_template: false}\n")
+    engine = Engine.from_config(load_config(path))
+    try:
+        assert engine._drafter.default.head.runner.vocab_size == 200
+        res = engine.generate_ids(random_prompt(8, seed=2), 12)
+        assert res.token_ids == engine.generate_ids(random_prompt(8, seed=2), 12, target_only=True).token_ids
+        assert res.stats.drafted > 0
+    finally:
+        engine.close()
     bad = tmp_path / "bad.yaml"
-    bad.write_text("drafter: {kind: ngram, vocab: 200}\n")
-    with pytest.raises(ConfigError, match="drafter.vocab restricts a draft model's LM head"):
-        load_config(bad)
+    for drafter in ("{kind: ngram, vocab: 200}", "{kind: hybrid, vocab: 200}"):  # (a hybrid's head: no)
+        bad.write_text(f"drafter: {drafter}\n")
+        with pytest.raises(ConfigError, match="drafter.vocab restricts a draft model's LM head"):
+            load_config(bad)

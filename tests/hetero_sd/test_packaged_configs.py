@@ -15,7 +15,7 @@ OVERRIDES = {"auto.yaml": {"auto.backends": ["torch"], "auto.quick": True}}
 def test_expected_examples_exist():
     assert {"cpu.yaml", "cpu-draft-model.yaml", "onnxruntime.yaml", "openvino.yaml", "mixed-cpu.yaml",
             "cuda-cpu.yaml", "ascend-cpu.yaml", "auto.yaml", "shm-async.yaml", "cascade.yaml",
-            "qwen-coder.yaml", "qwen-coder-mixed.yaml", "qwen-coder-worker.yaml", "json.yaml",
+            "qwen-coder.yaml", "qwen-coder-ngram.yaml", "qwen-coder-mixed.yaml", "qwen-coder-worker.yaml", "json.yaml",
             "qwen-coder-smol.yaml", "qwen-coder-draft.yaml", "llama-smol.yaml"} <= set(ALL)
 
 
@@ -41,7 +41,7 @@ def _big_model_overrides(name: str, tiny_gguf, foreign_draft) -> dict:
     that fits the tiny vocabulary."""
     cfg = load_config(PACKAGED / name)
     out = {"target.model": str(tiny_gguf("llama-wide" if name.startswith("llama") else "qwen2-wide", "Q4_K_M"))}
-    if cfg.drafter.kind == "model":
+    if cfg.drafter.kind == "model" or (cfg.drafter.kind == "hybrid" and cfg.drafter.hybrid_with == "model"):
         same_family = cfg.drafter.model is None or cfg.drafter.model.startswith("qwen")
         out["drafter.model"] = str(tiny_gguf("qwen2-wide", "LEGACY") if same_family else foreign_draft)
         if cfg.drafter.vocab:
