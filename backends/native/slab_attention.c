@@ -57,18 +57,26 @@ static inline float dot(const float* a, const float* b, int D) {  /* D % 16 == 0
   return hsum8(_mm256_add_ps(s0, s1));
 }
 
-/* dot(a, k) and dot(b, k), each summed exactly as dot() sums it */
-static inline void dot2(const float* a, const float* b, const float* k, int D, float* da, float* db) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+/* dot(q, k_i) for the 4 slab rows k_0..k_3 (D apart), each summed exactly as dot()
+ * sums it: 8 independent chains keep both FMA units busy where one dot's 2 chains
+ * wait on their own latency */
+static inline void dot4(const float* q, const float* k, int D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
   for (int d = 0; d < D; d += 16) {
-    const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), k0, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), k1, a1);
-    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(b + d), k0, b0);
-    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(b + d + 8), k1, b1);
+    const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+    a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + d + 8), a1);
+    b0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + D + d), b0);
+    b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + D + d + 8), b1);
+    c0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 2 * D + d), c0);
+    c1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + 2 * D + d + 8), c1);
+    d0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 3 * D + d), d0);
+    d1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + 3 * D + d + 8), d1);
   }
-  *da = hsum8(_mm256_add_ps(a0, a1));
-  *db = hsum8(_mm256_add_ps(b0, b1));
+  out[0] = hsum8(_mm256_add_ps(a0, a1));
+  out[1] = hsum8(_mm256_add_ps(b0, b1));
+  out[2] = hsum8(_mm256_add_ps(c0, c1));
+  out[3] = hsum8(_mm256_add_ps(d0, d1));
 }
 
 /* rotate-half RoPE of x[D] at one position (cos/sin rows of half = rd / 2) */
@@ -91,20 +99,26 @@ typedef struct {
   int* failed;  /* set (atomically) by a task that could not get its scratch memory */
 } Job;
 
-/* out[b] = inv[b] * sum_i w[b][i] V[i] over i < n[b], in position order, for pn pairs */
+/* acc[b] += sum_i w[b][i] V[i] over the block's positions i0 <= i < min(i1, n[b]), in
+ * position order, for pn pairs (acc [pn, D]). A block of V (IB rows, 16 KB at D = 128)
+ * stays in L1 across the D / 8 lane passes; a pass down the whole slab instead read
+ * one 32-byte piece every D floats, a stride that maps to a few cache sets only. */
 static inline __attribute__((always_inline)) void weigh(const float* V, int D, const float* w, int64_t stride,
-    int64_t lo, const int64_t* n, const float* inv, float* out, const int pn) {
+    int64_t i0, int64_t i1, int64_t lo, const int64_t* n, float* acc, const int pn) {
+  const int64_t shared = lo < i1 ? lo : i1;  /* positions every pair here sees */
   for (int d = 0; d < D; d += 8) {
-    __m256 acc[8];
-    for (int b = 0; b < pn; b++) acc[b] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < lo; i++) {  /* positions every pair here sees */
+    __m256 a[8];
+    _Pragma("GCC unroll 8") for (int b = 0; b < pn; b++) a[b] = _mm256_loadu_ps(acc + (size_t)b * D + d);
+    for (int64_t i = i0; i < shared; i++) {
       const __m256 vv = _mm256_loadu_ps(V + i * D + d);
-      for (int b = 0; b < pn; b++) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(w[b * stride + i]), vv, acc[b]);
+      _Pragma("GCC unroll 8") for (int b = 0; b < pn; b++) a[b] = _mm256_fmadd_ps(_mm256_set1_ps(w[b * stride + i]), vv, a[b]);
     }
-    for (int b = 0; b < pn; b++)  /* then each pair's own last positions, in order */
-      for (int64_t i = lo; i < n[b]; i++)
-        acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(w[b * stride + i]), _mm256_loadu_ps(V + i * D + d), acc[b]);
-    for (int b = 0; b < pn; b++) _mm256_storeu_ps(out + (size_t)b * D + d, _mm256_mul_ps(acc[b], _mm256_set1_ps(inv[b])));
+    _Pragma("GCC unroll 8") for (int b = 0; b < pn; b++) {  /* then each pair's own last positions, in order */
+      const int64_t e = n[b] < i1 ? n[b] : i1;
+      for (int64_t i = shared > i0 ? shared : i0; i < e; i++)
+        a[b] = _mm256_fmadd_ps(_mm256_set1_ps(w[b * stride + i]), _mm256_loadu_ps(V + i * D + d), a[b]);
+    }
+    _Pragma("GCC unroll 8") for (int b = 0; b < pn; b++) _mm256_storeu_ps(acc + (size_t)b * D + d, a[b]);
   }
 }
 
@@ -126,7 +140,8 @@ static float* scratch(size_t floats) {
  * heads that share it: each slab row is read once for all of them. Every (row, head)
  * pair still runs its own scores, softmax and weighted sum over its own positions
  * 0..n-1 in order, exactly as it would alone: the result does not depend on T. */
-enum { ROWS = 4, MAXPAIRS = 64 * ROWS };
+/* IB: positions a block (scores and weighted sum alike) */
+enum { ROWS = 4, MAXPAIRS = 64 * ROWS, IB = 32 };
 
 static void attend(void* arg, size_t task) {
   const Job* j = (const Job*)arg;
@@ -150,17 +165,24 @@ static void attend(void* arg, size_t task) {
            j->cos ? j->cos + pos * j->half : NULL, j->sin ? j->sin + pos * j->half : NULL, j->half);
     }
   }
-  for (int64_t i = 0; i < nmax; i++) {
-    const float* k = K + i * D;
+  /* scores in blocks of IB positions (16 KB of K at D = 128: L1 holds a block while
+   * every pair reads it), 4 positions a dot4; fma(q, k) is fma(k, q), so each score
+   * is the one dot() gives, whatever the blocking */
+  for (int64_t i0 = 0; i0 < nmax; i0 += IB) {
     int p = 0;
-    while (p < P && n[p] <= i) p += G;  /* rows whose positions end before i (whole rows) */
-    for (; p + 2 <= P; p += 2) {
-      float d0, d1;
-      dot2(q + (size_t)p * D, q + (size_t)(p + 1) * D, k, D, &d0, &d1);
-      s[(size_t)p * stride + i] = d0 * j->scale;
-      s[(size_t)(p + 1) * stride + i] = d1 * j->scale;
+    while (p < P && n[p] <= i0) p += G;  /* rows whose positions end before the block */
+    for (; p < P; p++) {
+      const float* qp = q + (size_t)p * D;
+      float* sp = s + (size_t)p * stride;
+      const int64_t e = n[p] < i0 + IB ? n[p] : i0 + IB;
+      int64_t i = i0;
+      for (; i + 4 <= e; i += 4) {
+        float d4[4];
+        dot4(qp, K + i * D, D, d4);
+        for (int r = 0; r < 4; r++) sp[i + r] = d4[r] * j->scale;
+      }
+      for (; i < e; i++) sp[i] = dot(qp, K + i * D, D) * j->scale;
     }
-    if (p < P) s[(size_t)p * stride + i] = dot(q + (size_t)p * D, k, D) * j->scale;
   }
   float inv[MAXPAIRS];
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -181,22 +203,31 @@ static void attend(void* arg, size_t task) {
   }
   for (int p0 = 0; p0 < P; p0 += 8) {  /* up to 8 pairs' accumulators in registers */
     const int pn = P - p0 < 8 ? P - p0 : 8;
-    int64_t lo = n[p0];
-    for (int b = 1; b < pn; b++) lo = n[p0 + b] < lo ? n[p0 + b] : lo;
+    int64_t lo = n[p0], hi = n[p0];
+    for (int b = 1; b < pn; b++) {
+      lo = n[p0 + b] < lo ? n[p0 + b] : lo;
+      hi = n[p0 + b] > hi ? n[p0 + b] : hi;
+    }
     const float* w = s + (size_t)p0 * stride;
-    switch (pn) {  /* a constant count, so the accumulators stay in registers */
-      case 1: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 1); break;
-      case 2: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 2); break;
-      case 3: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 3); break;
-      case 4: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 4); break;
-      case 5: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 5); break;
-      case 6: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 6); break;
-      case 7: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 7); break;
-      default: weigh(V, D, w, stride, lo, n + p0, inv + p0, acc_out, 8); break;
+    memset(acc_out, 0, sizeof(float) * (size_t)pn * D);
+    for (int64_t i0 = 0; i0 < hi; i0 += IB) {
+      const int64_t i1 = i0 + IB;
+      switch (pn) {  /* a constant count, so the accumulators stay in registers */
+        case 1: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 1); break;
+        case 2: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 2); break;
+        case 3: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 3); break;
+        case 4: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 4); break;
+        case 5: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 5); break;
+        case 6: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 6); break;
+        case 7: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 7); break;
+        default: weigh(V, D, w, stride, i0, i1, lo, n + p0, acc_out, 8); break;
+      }
     }
     for (int b = 0; b < pn; b++) {
       const int p = p0 + b, r = p / G, a = p % G;
-      memcpy(j->out + (size_t)(t0 + r) * H * D + (size_t)(g * G + a) * D, acc_out + (size_t)b * D, sizeof(float) * D);
+      float* o = j->out + (size_t)(t0 + r) * H * D + (size_t)(g * G + a) * D;
+      const __m256 iv = _mm256_set1_ps(inv[p]);
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc_out + (size_t)b * D + d), iv));
     }
   }
 }
