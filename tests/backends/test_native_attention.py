@@ -108,13 +108,16 @@ def test_a_row_rounds_alike_alone_and_in_any_call(library, H, Hkv, D):
         assert np.array_equal(kw[0, :, :past + width], k[0, :, :past + width])
 
 
-def test_it_is_off_unless_asked_and_says_so(monkeypatch):
+@needs_avx2
+def test_it_is_on_by_default_and_off_where_not_named(monkeypatch):
     monkeypatch.delenv(native.ENV, raising=False)
+    assert native.attention_available() == (True, "")
+    monkeypatch.setenv(native.ENV, "matmul")
     assert native.attention_available() == (False, f"off ({native.ENV}=matmul,attention turns it on)")
 
 
 def test_devices_say_which_attention_runs(monkeypatch):
-    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.setenv(native.ENV, "matmul")
     cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
     assert cpu.description.endswith(f"attention: GroupQueryAttention; SlabAttention off ({native.ENV}=matmul,attention "
                                     "turns it on)")

@@ -145,7 +145,7 @@ def test_bad_shapes_and_attributes_are_clear_errors(library):
 
 def test_the_switch_names_our_kernels(monkeypatch):
     monkeypatch.delenv(native.ENV, raising=False)
-    assert native.kernels_on() == native.DEFAULT == ("matmul",)
+    assert native.kernels_on() == native.DEFAULT == ("matmul", "attention")
     for value, on in (("1", native.KERNELS), ("all", native.KERNELS), ("0", ()), ("attention", ("attention",)),
                       ("matmul,attention", ("matmul", "attention"))):
         monkeypatch.setenv(native.ENV, value)
