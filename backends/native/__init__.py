@@ -16,10 +16,10 @@ then cached under the sources' hash, the compiler's version and the CPU's flags,
 so a new host or a new source compiles again (a few seconds).
 
 HETERO_SD_NATIVE picks which the CPU's one-sequence graph uses (KERNELS): by
-default both. Measured side by side on a 2-core AMD EPYC (AVX-512), SlabAttention
-makes a one-token step up to 17-25% faster than GroupQueryAttention (more at long
-contexts) and verifies of 2-9 rows about level (0.9-1.1x), so it runs wherever it
-covers the model (docs/backends.md). Where a kernel is off, or no compiler is
+default both. Measured side by side on a 2-core AMD EPYC (AVX-512), a one-token
+step with SlabAttention took 0.68-0.97x the time with GroupQueryAttention in all
+but one of nine cells (the most at long contexts) and verifies of 2-9 rows about
+as long (0.9-1.1x), so it runs wherever it covers the model (docs/backends.md). Where a kernel is off, or no compiler is
 found, the graphs use onnxruntime's own op, and `kernel_available()` says why.
 """
 from __future__ import annotations
