@@ -23,6 +23,7 @@ from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
 
 _PROVIDERS = {"CUDAExecutionProvider": "cuda", "CANNExecutionProvider": "npu"}
+NO_EXACT = "no padding is exact"  # MatMulNBits' row check failed (or its failure is cached)
 _QUANTIZED = ("int8", "int4", "gguf")  # MatMulNBits precisions: one-token calls checked (row_check.py)
 _EXACT = "MLAS kernels are row-invariant (tested)"
 GGUF_NOTE = ("a GGUF's own blocks, bit-exact: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as "
@@ -202,18 +203,7 @@ class OrtRunner(GraphRunner):
             self._kernel_note += f" ({MATMUL_ENV}=always)"
             self._open_graph(attention, native_matmul=True)
             return
-        known = self.cached_padding(self._graph_path(attention, False), self._runtime(False, attention)[1])
-        if known is not None:
-            theirs = known.padding if known.how != "forced" else f"{known.padding} ({known.detail})"
-        else:  # not known on this host yet: check MatMulNBits' graph (the verdict is cached)
-            try:
-                self._open_graph(attention, native_matmul=False, note=False)
-                theirs = self._padding
-            except BackendError:  # no padding makes it exact here (not cached): ours needs none
-                theirs = "no padding is exact"
-            if theirs != "none":
-                self._session = self._inplace = None
-                gc.collect()  # its weights go before ours load
+        theirs = self._their_padding(attention)
         if theirs == "none":
             if self._session is None:
                 self._open_graph(attention, native_matmul=False, note=False)
@@ -224,6 +214,26 @@ class OrtRunner(GraphRunner):
             return
         self._kernel_note += f" (MatMulNBits would pad: {theirs})"
         self._open_graph(attention, native_matmul=True)
+
+    def _their_padding(self, attention: str) -> str:
+        """MatMulNBits' padding on this host: its cached verdict, else its graph opened and
+        checked (the verdict, exact or not, is cached; its session is kept where it runs
+        unpadded)."""
+        try:
+            known = self.cached_padding(self._graph_path(attention, False), self._runtime(False, attention)[1])
+        except BackendError:  # cached: no padding makes it exact here
+            return NO_EXACT
+        if known is not None:
+            return known.padding if known.how != "forced" else f"{known.padding} ({known.detail})"
+        try:
+            self._open_graph(attention, native_matmul=False, note=False)
+            theirs = self._padding
+        except BackendError:  # no padding makes it exact here: ours needs none
+            theirs = NO_EXACT
+        if theirs != "none":
+            self._session = self._inplace = None
+            gc.collect()  # its weights go before ours load
+        return theirs
 
     def _graph_path(self, attention: str, native_matmul: bool):
         return export_onnx(self._model, self.precision.name, self._progress, attention=attention,

@@ -24,7 +24,9 @@ summation order differs for a row shows it in the last bits of almost every
 output. pairs is exact wherever single or none is (it only adds even calls), so
 it is the padding forced by HETERO_SD_PAD_SINGLE_ROW=1; 0 forces none, and the
 names none/single/pairs force that one (tests and experiments). No exact
-padding at all is an error, never a silent fallback. The verdict is cached
+padding at all is an error, never a silent fallback; that verdict is cached too
+(a later load raises it at once instead of checking for seconds again; the
+onnxruntime runner then runs our own matmul). The verdict is cached
 (ir.cache) under the host's CPU model and flags (all of them, digested), the
 runtime's version and the graph's own cache key, so a new host, a runtime
 upgrade or another model checks again.
@@ -54,7 +56,9 @@ _FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", 
 _SAYS = {"none": ("calls unpadded", "a row rounds alike in calls of any width on this host"),
          "single": ("one-token calls padded to two rows", "one row rounds apart on this host"),
          "pairs": ("odd-width calls padded by one row (one-token calls to two)",
-                   "an odd call's last row rounds apart on this host")}
+                   "an odd call's last row rounds apart on this host"),
+         "inexact": ("no padding is exact", "rows round apart under every padding on this host (the runtime's "
+                     "kernel is not used for an exact target)")}
 
 
 def padded(padding: str, rows: int) -> bool:
@@ -64,7 +68,7 @@ def padded(padding: str, rows: int) -> bool:
 
 @dataclass(frozen=True)
 class Verdict:
-    padding: str  # one of PADDINGS
+    padding: str  # one of PADDINGS (INEXACT only in hetero-sd devices' listing)
     how: str  # "checked" | "cached" | "forced" | "not needed"
     detail: str = ""
 
@@ -109,20 +113,44 @@ def _forced() -> Verdict | None:
     return None
 
 
+INEXACT = "inexact"  # the cached verdict where no padding is exact
+
+
 def cached_verdict(cache_folder: Path | None) -> Verdict | None:
-    """The override's verdict, or the one cached in `cache_folder`; None: only a check can tell."""
+    """The override's verdict, or the one cached in `cache_folder`; None: only a check can
+    tell. Raises BackendError where the cached check found no padding exact."""
     forced = _forced()
     if forced is not None:
         return forced
+    got = _read(cache_folder)
+    if got is None:
+        return None
+    if got["padding"] == INEXACT:
+        raise BackendError(f"{got['detail']} (cached: delete {cache_folder} to check again)")
+    return Verdict(got["padding"], "cached", got.get("detail", ""))
+
+
+def _read(cache_folder: Path | None) -> dict | None:
     path = None if cache_folder is None else cache_folder / "row_check.json"
-    if path is not None and path.exists():
-        try:
-            got = json.loads(path.read_text())
-            if got["padding"] in PADDINGS:
-                return Verdict(got["padding"], "cached", got.get("detail", ""))
-        except (OSError, ValueError, KeyError):
-            pass  # a broken entry: check again
+    if path is None or not path.exists():
+        return None
+    try:
+        got = json.loads(path.read_text())
+        if got["padding"] in PADDINGS or (got["padding"] == INEXACT and got["detail"]):
+            return got
+    except (OSError, ValueError, KeyError):
+        pass  # a broken entry: check again
     return None
+
+
+def _write(cache_folder: Path | None, padding: str, detail: str, label: str) -> None:
+    if cache_folder is None:
+        return
+    path = cache_folder / "row_check.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"padding": padding, "detail": detail, "host": host_signature(), "label": label}))
+    os.replace(tmp, path)
 
 
 def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
@@ -133,7 +161,6 @@ def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
     known = cached_verdict(cache_folder)
     if known is not None:
         return known
-    path = None if cache_folder is None else cache_folder / "row_check.json"
     t0 = time.perf_counter()
     found = []
     for padding in PADDINGS:
@@ -142,16 +169,13 @@ def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
         if exact:
             break
     else:
-        raise BackendError(f"{label or 'this graph'}: rows round apart between call widths under every padding "
-                           f"({'; '.join(found)}), so speculative output could differ from target-only; "
-                           "use precision fp32 or another backend on this host")
+        why = (f"{label or 'this graph'}: rows round apart between call widths under every padding "
+               f"({'; '.join(found)}), so speculative output could differ from target-only; "
+               "use precision fp32 or another backend on this host")
+        _write(cache_folder, INEXACT, why, label)
+        raise BackendError(why)
     detail = f"{detail}; {time.perf_counter() - t0:.1f} s"
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"padding": padding, "detail": detail, "host": host_signature(),
-                                   "label": label}))
-        os.replace(tmp, path)
+    _write(cache_folder, padding, detail, label)
     return Verdict(padding, "checked", detail)
 
 
@@ -163,9 +187,9 @@ def cached_verdicts(root: Path) -> list[tuple[str, Verdict]]:
             got = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if got.get("host") == host and got.get("padding") in PADDINGS:
-            out.append((got.get("label") or path.parent.name, Verdict(got["padding"], "cached",
-                                                                     got.get("detail", ""))))
+        if got.get("host") == host and (got.get("padding") in PADDINGS or got.get("padding") == INEXACT):
+            detail = "" if got["padding"] == INEXACT else got.get("detail", "")
+            out.append((got.get("label") or path.parent.name, Verdict(got["padding"], "cached", detail)))
     return sorted(out, key=lambda item: item[0])
 
 

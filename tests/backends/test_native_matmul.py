@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from hetero_sd.backends import native
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, reference_logits
+from hetero_sd.ir.errors import BackendError
 from helpers.native import needs_avx2, x86_avx512
 from helpers.tiny_models import random_prompt
 
@@ -250,22 +251,31 @@ def test_by_default_our_op_runs_only_where_matmulnbits_would_pad(tiny_model_dir,
 @needs_avx2
 def test_where_no_padding_makes_matmulnbits_exact_ours_runs(tiny_model_dir, monkeypatch, tmp_path):
     """A host where MatMulNBits rounds rows apart under every padding (its row check
-    fails: simulated): the load does not fail, BlockMatMul runs, and its own check passes."""
-    from hetero_sd.backends import graph_runner, row_check
-    from hetero_sd.ir.errors import BackendError
+    fails: simulated): the load does not fail, BlockMatMul runs, and its own check passes.
+    The failure is cached: a second load checks neither graph again."""
+    from hetero_sd.backends import row_check
 
-    real = graph_runner.settle
+    real, checked = row_check.check, []
 
-    def settle(runner, folder, label=""):
+    def check(runner, padding="none"):
+        checked.append(bool(runner._libraries))
         if not runner._libraries:  # MatMulNBits' graph
-            raise BackendError("rows round apart between call widths under every padding (simulated)")
-        return real(runner, folder, label)
+            return False, "row 0 differs (simulated)"
+        return real(runner, padding)
 
-    monkeypatch.setattr(graph_runner, "settle", settle)
+    monkeypatch.setattr(row_check, "check", check)
     monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path))  # no verdict cached by an earlier test
     for name in (native.MATMUL_ENV, row_check.ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(native.ENV, "matmul")
-    runner = REGISTRY.get("onnxruntime").load(load_model_ir(tiny_model_dir("qwen2")), "cpu", "int4", 1 << 20)
+    ir = load_model_ir(tiny_model_dir("qwen2"))
+    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
     assert "by our BlockMatMul (MatMulNBits would pad: no padding is exact)" in runner.kernel_choice
-    assert runner.padding == "none"
+    assert runner.padding == "none" and checked == [False, False, False, True]  # theirs under 3 paddings, ours
+    checked.clear()
+    again = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
+    assert "by our BlockMatMul (MatMulNBits would pad: no padding is exact)" in again.kernel_choice
+    assert checked == [] and "(cached" in again.kernel_choice
+    monkeypatch.setenv(native.ENV, "0")  # MatMulNBits alone: the cached failure is the load's error
+    with pytest.raises(BackendError, match="under every padding.*cached: delete"):
+        REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)

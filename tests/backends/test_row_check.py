@@ -180,10 +180,23 @@ def test_an_odd_calls_last_row_that_rounds_apart_pads_odd_calls(tmp_path, monkey
 
 
 def test_no_exact_padding_is_an_error_not_a_guess(tmp_path, monkeypatch):
+    """No padding exact: an error naming why, and that verdict cached, so a later load
+    says it again at once (a check takes seconds on a real model) instead of checking."""
     monkeypatch.delenv(row_check.ENV, raising=False)
-    with pytest.raises(BackendError, match="every padding"):
-        row_check.settle(_RoundsApart(apart=lambda width: width < 16), tmp_path, "tiny int4")
-    assert not (tmp_path / "row_check.json").exists()  # nothing cached: a later load checks again
+    folder = tmp_path / "tiny"
+    apart = _RoundsApart(apart=lambda width: width < 16)
+    with pytest.raises(BackendError, match="tiny int4: rows round apart between call widths under every padding"):
+        row_check.settle(apart, folder, "tiny int4")
+    assert apart.calls > 0 and (folder / "row_check.json").exists()
+    again = _RoundsApart()  # (exact under every padding: only a cached verdict can fail it)
+    with pytest.raises(BackendError, match=r"under every padding.*\(cached: delete .* to check again\)"):
+        row_check.settle(again, folder, "tiny int4")
+    assert again.calls == 0
+    listed = [(label, v.describe()) for label, v in row_check.cached_verdicts(tmp_path)]  # hetero-sd devices
+    assert listed == [("tiny int4", "no padding is exact: rows round apart under every padding on this host "
+                                    "(the runtime's kernel is not used for an exact target) (cached)")]
+    monkeypatch.setenv(row_check.ENV, "pairs")  # an override still wins over a cached failure
+    assert row_check.settle(again, folder).padding == "pairs"
 
 
 @pytest.mark.parametrize("backend,precision,batches,kernels", [
