@@ -102,6 +102,7 @@ class Request:
         self.penalties = penalties  # SamplingParams whose penalties apply to every row scored (None: none)
         self._step: VerifyRequest | None = None  # the step proposed and not yet accepted
         self._step_at, self._step_draft_s, self._step_speculating = 0.0, None, False
+        self._step_lookup = False  # the step's drafts came from a lookup (DraftResult.lookup)
 
     @property
     def last_draft_s(self) -> float | None:
@@ -176,6 +177,7 @@ class Request:
             k = 1  # the padded call computes a second row anyway: a lookup's draft rides in it
         # the first draft's row is free in a padded call: proposed even where the drafter is unsure
         free = 1 if alone and self._padded_greedy() else 0
+        self._step_lookup = False
         drafts, draft_probs, draft_s = self._draft(k, free) if k > 0 else ([], None, None)
         if self.constrainer is not None:
             self.constrainer.prepare(drafts)
@@ -294,6 +296,7 @@ class Request:
         if self._take_events():  # a failover in this call: its time is not a draft cost
             seconds = None
         self.told = len(ids)
+        self._step_lookup = proposal.lookup
         drafts = proposal.tokens[:k]
         probs = None if proposal.probs is None else proposal.probs[:len(drafts)]
         if self.constrainer is not None:
@@ -308,6 +311,8 @@ class Request:
         stats.count_positions(drafted, accepted)
         if self._take_events() or not self.learn_timings:  # a target swap in the verify: its time teaches no cost
             draft_s = verify_s = None
+        if self._step_lookup:  # a hybrid's lookup round: no draft step was taken to price
+            draft_s = None
         if self._step_speculating:  # (target-only rounds feed no policy)
             self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
             self.drafter.observe(drafted, accepted)

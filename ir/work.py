@@ -144,6 +144,10 @@ class DraftResult(_Record):
     # [len(tokens), vocab] float64 draft distributions q, sampling with a draft model only;
     # None for greedy or deterministic (n-gram) drafts. Not packed: it goes through the arena.
     probs: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
+    # The drafts came from a lookup inside a drafter that also runs a model (a hybrid's
+    # suffix round): the round's time says nothing of what a draft step costs, so it does
+    # not price the next rounds' draft steps (min_prob: auto). In-process only.
+    lookup: bool = field(default=False, kw_only=True, compare=False, metadata={"wire": False})
 
 
 @dataclass

@@ -382,3 +382,40 @@ def test_build_ungates_a_hybrid_draft_model(tiny_model_dir, foreign_draft, tmp_p
     engine = _from_yaml(tmp_path, f"model: {tiny_model_dir('llama')}",
                         f"kind: hybrid, hybrid_with: model, model: {foreign_draft}, k: 3")
     assert engine._drafter.default.min_head_rate is None
+
+
+def test_a_hybrids_lookup_rounds_do_not_price_a_draft_step(tiny_model_dir, tmp_path):
+    """min_prob: auto prices a draft step from the rounds' drafting time; a hybrid's
+    suffix round takes microseconds, so it marks its result a lookup and the round's time
+    is kept out of that price (it would price the draft model's steps at near nothing),
+    while the draft model's rounds pass theirs. Output stays the target's."""
+    from helpers.tiny_models import make_tokenizer
+
+    model = tiny_model_dir("llama")
+    engine = _from_yaml(tmp_path, f"model: {model}", f"kind: hybrid, hybrid_with: model, model: {model}, k: 4, "
+                        "hybrid_min_match: 2, min_prob: auto")
+    hybrid, seen, served = engine._drafter.default, [], [None]
+    observe, draft = engine.policy.observe, hybrid.draft
+
+    def spy_observe(drafted, accepted, draft_s=None, verify_s=None):
+        seen.append((drafted, draft_s, served[0]))  # (which drafter served the round's drafts)
+        served[0] = None
+        observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
+
+    def spy_draft(req):
+        before = dict(hybrid.picks)
+        got = draft(req)
+        served[0] = "suffix" if hybrid.picks["suffix"] > before["suffix"] else \
+            "model" if hybrid.picks["head"] > before["head"] else None
+        assert got.lookup == (served[0] == "suffix")
+        return got
+
+    engine.policy.observe, hybrid.draft = spy_observe, spy_draft
+    prompt = make_tokenizer().encode("red green blue, red green blue, red green blue, red green blue, red green",
+                                     add_special_tokens=False)
+    alone = engine.generate_ids(prompt, 48, target_only=True).token_ids
+    assert engine.generate_ids(prompt, 48).token_ids == alone
+    rounds = [(draft_s, kind) for drafted, draft_s, kind in seen if drafted]
+    assert {kind for _, kind in rounds} == {"suffix", "model"}, seen
+    assert all(draft_s is None for draft_s, kind in rounds if kind == "suffix")
+    assert all(draft_s is not None and draft_s > 0 for draft_s, kind in rounds if kind == "model")
