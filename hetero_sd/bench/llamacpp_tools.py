@@ -59,8 +59,8 @@ class Bracket:
         except (Skip, OSError, subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
-    def report(self, ours_decode: list[float]) -> dict:
-        """The medians, and our target-only decode tok/s against llama-bench's."""
+    def report(self, ours_decode: list[float], precision: str | None = None) -> dict:
+        """The medians, and our target-only decode tok/s (at `precision`) against llama-bench's."""
         out = {"tool": str(check(self.binary)), "threads": threads(), "decode_tok_s": self.decode,
                "prefill_tok_s": self.prefill, "prefill_tokens": PREFILL_TOKENS, "errors": self.errors}
         if not self.decode or not self.prefill:
@@ -69,6 +69,7 @@ class Bracket:
         out |= {"decode_median": decode, "prefill_median": statistics.median(self.prefill)}
         if ours_decode:
             out["ours_target_only_decode_tok_s"] = statistics.median(ours_decode)
+            out["ours_precision"] = precision
             out["ours_vs_llamacpp_decode"] = out["ours_target_only_decode_tok_s"] / decode
         return out
 
@@ -82,6 +83,21 @@ def markdown(section: dict) -> list[str]:
              + ", ".join(f"{v:.1f}" for v in section["prefill_tok_s"]) + " tok/s."]
     lines += [f"(a llama-bench run failed: {e})" for e in section["errors"]]
     if "ours_vs_llamacpp_decode" in section:
-        lines.append(f"Our target-only decode: {section['ours_target_only_decode_tok_s']:.1f} tok/s (median over "
-                     f"prompts), {section['ours_vs_llamacpp_decode']:.2f}x llama-bench's.")
+        lines.append(f"Our target-only decode{_which_model(section.get('ours_precision'))}: "
+                     f"{section['ours_target_only_decode_tok_s']:.1f} tok/s (median over prompts), "
+                     f"{section['ours_vs_llamacpp_decode']:.2f}x llama-bench's.")
     return lines
+
+
+# Precisions that quantize the weights again rather than keep the file's blocks: a
+# coarser model than the one llama-bench runs (docs/bigger-models.md, "Which model each
+# precision is"), so a decode ratio beside llama.cpp's is at unequal quality.
+REQUANTIZED = ("int4", "int8")
+
+
+def _which_model(precision: str | None) -> str:
+    if precision in REQUANTIZED:
+        return (f" (precision {precision}: the file's weights quantized again, a coarser model than the GGUF "
+                "llama-bench runs; benchmarks/check_quality.py measures by how much, precision gguf keeps its "
+                "blocks)")
+    return f" (precision {precision})" if precision else ""

@@ -132,7 +132,8 @@ def _plan(cfg: Config, engine, name: str, place: tuple, placements: dict[tuple, 
         base = TARGET_ONLY if not placements else f"{TARGET_ONLY} ({where})"
         placements[place] = base
         todo.append((RunResult(base, "ours", f"our target-only greedy on {where}",
-                               {"config": cfg.source, "target": where}, own_greedy=base, load_s=load_s), True))
+                               {"config": cfg.source, "target": where, "precision": target.precision.name},
+                               own_greedy=base, load_s=load_s), True))
     if cfg.drafter.kind != "none" and engine.drafter is not None:
         paired = None
         if not todo:  # the placement's target-only ran with an earlier config: pair a fresh one

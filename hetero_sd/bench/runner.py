@@ -161,7 +161,8 @@ def run_bench(opts: BenchOptions) -> dict:
     if tools is not None:
         ours = next((r for r in runs if r.name == TARGET_ONLY), None)
         report["llamacpp_tools"] = tools.report([s.decode_tok_s for s in ours.samples if s.decode_tok_s]
-                                                if ours is not None else [])
+                                                if ours is not None else [],
+                                                ours.settings.get("precision") if ours is not None else None)
     return report
 
 

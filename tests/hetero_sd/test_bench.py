@@ -341,7 +341,16 @@ def test_llamacpp_tools_run_beside_our_target_only(tiny_model_dir, tmp_path, cap
     threads = str(len(os.sched_getaffinity(0)))
     assert calls == [f"-m {model} -t {threads} -p 0 -n {MAX_NEW} -r 1 -o json",
                      f"-m {model} -t {threads} -p 512 -n 0 -r 1 -o json"] * 2
-    assert "llama.cpp's C++ `llama-bench`" in (tmp_path / "out" / "bench.md").read_text()
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "llama.cpp's C++ `llama-bench`" in md
+    # the ratio says which model ours was: fp32 here; a re-quantized one is said to be coarser
+    assert tools["ours_precision"] == "fp32" and "Our target-only decode (precision fp32):" in md
+    from hetero_sd.bench.llamacpp_tools import markdown
+
+    for precision, coarser in (("int4", True), ("int8", True), ("gguf", False), ("fp32", False)):
+        said = "\n".join(markdown({**tools, "ours_precision": precision}))
+        assert f"Our target-only decode (precision {precision}" in said
+        assert ("the file's weights quantized again, a coarser model" in said) == coarser
 
 
 def test_a_folder_without_llama_bench_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
