@@ -17,13 +17,12 @@ from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
 # native_fits from backends/native, not onnx_native: a warm start must not import onnx
 from hetero_sd.backends.native import MATMUL_ENV, kernel_available, library, matmul_policy, native_fits
-from hetero_sd.backends.row_check import padded
+from hetero_sd.backends.row_check import NO_EXACT, padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
 
 _PROVIDERS = {"CUDAExecutionProvider": "cuda", "CANNExecutionProvider": "npu"}
-NO_EXACT = "no padding is exact"  # MatMulNBits' row check failed (or its failure is cached)
 _QUANTIZED = ("int8", "int4", "gguf")  # MatMulNBits precisions: one-token calls checked (row_check.py)
 _EXACT = "MLAS kernels are row-invariant (tested)"
 GGUF_NOTE = ("a GGUF's own blocks, bit-exact: Q4_0/Q4_1/Q4_K as 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as "

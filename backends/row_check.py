@@ -53,11 +53,12 @@ WIDTHS = (1, 2, 3, 5)
 PADDINGS = ("none", "single", "pairs")  # cheapest first
 _FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
           "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
+NO_EXACT = "no padding is exact"
 _SAYS = {"none": ("calls unpadded", "a row rounds alike in calls of any width on this host"),
          "single": ("one-token calls padded to two rows", "one row rounds apart on this host"),
          "pairs": ("odd-width calls padded by one row (one-token calls to two)",
                    "an odd call's last row rounds apart on this host"),
-         "inexact": ("no padding is exact", "rows round apart under every padding on this host (the runtime's "
+         "inexact": (NO_EXACT, "rows round apart under every padding on this host (the runtime's "
                      "kernel is not used for an exact target)")}
 
 
@@ -183,11 +184,8 @@ def cached_verdicts(root: Path) -> list[tuple[str, Verdict]]:
     """(label, verdict) of every check cached under `root` for this host, sorted."""
     host, out = host_signature(), []
     for path in sorted(root.glob("*/row_check.json")):
-        try:
-            got = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if got.get("host") == host and (got.get("padding") in PADDINGS or got.get("padding") == INEXACT):
+        got = _read(path.parent)
+        if got is not None and got.get("host") == host:
             detail = "" if got["padding"] == INEXACT else got.get("detail", "")
             out.append((got.get("label") or path.parent.name, Verdict(got["padding"], "cached", detail)))
     return sorted(out, key=lambda item: item[0])
