@@ -31,7 +31,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from hetero_sd.backends.native import DOMAIN as NATIVE_DOMAIN, matmul_fits
+from hetero_sd.backends import gguf_pack
+from hetero_sd.backends.native import DOMAIN as NATIVE_DOMAIN, GGUF_TYPES, gguf_fits, matmul_fits
 from hetero_sd.ir import quant
 
 EXTERNAL_MIN = 1024  # bytes: smaller constants stay inside the proto
@@ -215,6 +216,11 @@ class Linears:
     def blocks_matmul(self, x: str, blk: quant.Blocks) -> str:
         n, k = blk.shape
         q = blk.q
+        if self.native and gguf_fits(blk.kind, k) and blk.raw is not None:
+            # our GGUFMatMul computes on the file's own super-blocks, 8 columns interleaved
+            # (gguf_pack.py): a weight costs the file's bits, its scales apply in integers
+            return self.b.op("GGUFMatMul", x, self.b.const(gguf_pack.pack(blk.kind, blk.raw), "wg"),
+                             domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[blk.kind])
         if blk.offset is not None and self.native and blk.bits == 4 and matmul_fits(k, 4, blk.block):
             # our BlockMatMul applies the minimum itself (its offsets input), with each
             # block's activation sum: no side matmul (a third of SmolLM2's gguf step)
@@ -256,9 +262,10 @@ def _stack(blocks: list[quant.Blocks]) -> quant.Blocks:
     first = blocks[0]
     cat = lambda f: np.concatenate([f(b) for b in blocks])  # noqa: E731
     return quant.Blocks(first.bits, first.block, cat(lambda b: b.q), cat(lambda b: b.scale), first.zero,
-                        None if first.offset is None else cat(lambda b: b.offset))
+                        None if first.offset is None else cat(lambda b: b.offset), first.kind,
+                        None if any(b.raw is None for b in blocks) else cat(lambda b: b.raw))
 
 
 def _format(blk: quant.Blocks) -> tuple:
-    """What must agree for blocks to share one MatMulNBits."""
-    return blk.bits, blk.block, blk.zero, blk.offset is None
+    """What must agree for blocks to share one matmul (GGUFMatMul reads one GGUF type)."""
+    return blk.bits, blk.block, blk.zero, blk.offset is None, blk.kind

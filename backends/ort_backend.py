@@ -55,7 +55,7 @@ class OrtBackend:
         # which ops the one-sequence graph runs (a model may still not fit them)
         native, why = kernel_available("matmul")
         where = "" if matmul_policy() == "always" else " where MatMulNBits would pad (its row check)"
-        matmul = f"quantized matmul: our BlockMatMul{where}" if native else \
+        matmul = f"quantized matmul: our BlockMatMul{where}, precision gguf's K-quants by our GGUFMatMul" if native else \
             f"quantized matmul: MatMulNBits; BlockMatMul {why}"
         native, why = kernel_available("attention")
         attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
@@ -181,7 +181,8 @@ class OrtRunner(GraphRunner):
             f"attention by GroupQueryAttention (SlabAttention: {why})"
         if self.precision.name in _QUANTIZED:
             self._native_matmul, why = kernel_available("matmul")
-            self._kernel_note += ", quantized matmuls by our BlockMatMul" if self._native_matmul else \
+            ours = " and GGUFMatMul" if self.precision.name == "gguf" else ""
+            self._kernel_note += f", quantized matmuls by our BlockMatMul{ours}" if self._native_matmul else \
                 f", quantized matmuls by MatMulNBits (BlockMatMul: {why})"
         return "native" if fits else "inplace"
 
@@ -193,13 +194,20 @@ class OrtRunner(GraphRunner):
         its GEMMs are the faster (SmolLM2 int4, blocks of 32, on a 2-core AMD EPYC with
         AVX-512: 0.96x llama-bench's decode with MatMulNBits, 0.85x with ours; the 1.5B,
         whose blocks of 128 MatMulNBits pads there: 0.87x padded, 0.92-1.00x ours).
-        HETERO_SD_NATIVE_MATMUL=always runs BlockMatMul whatever MatMulNBits' verdict."""
+        HETERO_SD_NATIVE_MATMUL=always runs BlockMatMul whatever MatMulNBits' verdict.
+        Precision gguf takes our ops wherever they build: GGUFMatMul computes on the
+        file's K-quant super-blocks at the file's bytes and BlockMatMul takes Q4_1's
+        minimums, with no side matmul (the 1.5B, Q4_K_M, on a 2-core AMD EPYC:
+        24.8 tok/s against MatMulNBits' 22.3; SmolLM2, Q4_1: 1.18x llama-bench's decode
+        against 1.05x)."""
         one_sequence = attention in ("inplace", "native")
         if not (one_sequence and self._native_matmul):
             self._open_graph(attention, native_matmul=False)
             return
-        if matmul_policy() == "always":
-            self._kernel_note += f" ({MATMUL_ENV}=always)"
+        if matmul_policy() == "always" or self.precision.name == "gguf":
+            why = f"{MATMUL_ENV}=always" if matmul_policy() == "always" else \
+                "precision gguf: GGUFMatMul on the file's K-quant blocks"
+            self._kernel_note += f" ({why})"
             self._open_graph(attention, native_matmul=True)
             return
         theirs = self._their_padding(attention)

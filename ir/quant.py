@@ -32,6 +32,8 @@ class Blocks:
     scale: np.ndarray  # float32 [rows, cols // block]
     zero: int | None = None  # w = (q - zero) * scale
     offset: np.ndarray | None = None  # float32 [rows, cols // block]: w = q * scale - offset
+    kind: str | None = None  # the GGUF type the blocks came from ("Q4_K", ...)
+    raw: np.ndarray | None = None  # uint8 [rows, bytes]: the file's own bytes, for a kernel that reads them
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -39,7 +41,9 @@ class Blocks:
 
     def rows(self, start: int, stop: int) -> "Blocks":
         off = None if self.offset is None else self.offset[start:stop]
-        return Blocks(self.bits, self.block, self.q[start:stop], self.scale[start:stop], self.zero, off)
+        raw = None if self.raw is None else self.raw[start:stop]
+        return Blocks(self.bits, self.block, self.q[start:stop], self.scale[start:stop], self.zero, off,
+                      self.kind, raw)
 
 
 def dequantize(b: Blocks) -> np.ndarray:
@@ -63,7 +67,7 @@ def decode(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
     bits, block, q, scale, zero, offset = _DECODERS[type_name](blocks)
     shape = (rows, cols // block)
     return Blocks(bits, block, q.reshape(rows, cols), scale.reshape(shape), zero,
-                  None if offset is None else offset.reshape(shape))
+                  None if offset is None else offset.reshape(shape), type_name, blocks.reshape(rows, -1))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -100,7 +104,7 @@ def _q8_0(b):  # int8 q + 128 in a byte, zero 128: (q + 128 - 128) * d
     return 8, 32, (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(b[:, :2]), 128, None
 
 
-def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 12-byte packed 6-bit (scale, min) pairs of Q4_K / Q5_K: [n, 8] each."""
     s = scales.reshape(-1, 3, 4)
     d, m, md = s[:, 0], s[:, 1], s[:, 2]
@@ -110,7 +114,7 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _k_affine(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    sc, mn = _k_scales(b[:, 4:16])
+    sc, mn = k_scales(b[:, 4:16])
     return _f16(b[:, :2]) * sc, _f16(b[:, 2:4]) * mn  # exactly gguf's d and dm
 
 

@@ -46,7 +46,7 @@ MATMUL_ENV = "HETERO_SD_NATIVE_MATMUL"
 MATMUL_POLICIES = ("auto", "always")
 DEFAULT = KERNELS  # with ENV unset
 HERE = Path(__file__).parent
-SOURCES = ("ort_api.h", "block_simd.h", "block_matmul.c", "slab_attention.c", "register.c")
+SOURCES = ("ort_api.h", "block_simd.h", "block_matmul.c", "gguf_matmul.c", "slab_attention.c", "register.c")
 # -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler
 # inlines them, so every copy of a loop rounds alike (the ops' row invariance)
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden")
@@ -110,6 +110,15 @@ def native_fits(cfg) -> tuple[bool, str]:
 def matmul_fits(k: int, bits: int, block: int) -> bool:
     """Whether BlockMatMul computes a MatMulNBits of this shape (block_matmul.c)."""
     return bits in (4, 8) and block in (32, 64, 128, 256) and k % 64 == 0 and k % block == 0
+
+
+# GGUF block types GGUFMatMul reads as the file stores them (gguf_matmul.c), by ggml's numbering
+GGUF_TYPES = {"Q4_K": 12, "Q6_K": 14}
+
+
+def gguf_fits(kind: str | None, k: int) -> bool:
+    """Whether GGUFMatMul computes a weight of this GGUF type and row length."""
+    return kind in GGUF_TYPES and k % 256 == 0
 
 
 def kernels_on() -> tuple[str, ...]:

@@ -247,7 +247,7 @@ static void task(void* arg, size_t t) {
 
 typedef struct { const OrtApi* api; int64_t K, N, bits, block; } Kernel;
 
-static void* scratch(size_t bytes) {  /* kept across calls (see slab_attention.c) */
+void* matmul_scratch(size_t bytes) {  /* kept across calls (see slab_attention.c); gguf_matmul.c's too */
   static __thread void* buf = NULL;
   static __thread size_t cap = 0;
   if (bytes > cap) {
@@ -334,7 +334,7 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   j.nb_tail = 64 > j.B ? 64 / j.B : 1;
   const size_t qbytes = ((size_t)M * j.qstride + 63) & ~(size_t)63;
   const size_t floats = (size_t)M * ((size_t)j.steps * VL + j.kbp + j.kb);
-  int8_t* qa = (int8_t*)scratch(qbytes + floats * sizeof(float));
+  int8_t* qa = (int8_t*)matmul_scratch(qbytes + floats * sizeof(float));
   if (!qa) return api->CreateStatus(ORT_FAIL, "BlockMatMul: out of memory for the quantized rows");
   float* dexp = (float*)(qa + qbytes);
   float* g = dexp + (size_t)M * j.steps * VL;

@@ -99,6 +99,9 @@ static inline OrtStatus* dims(const OrtApi* api, const OrtValue* v, int64_t* out
 #define TRY(x) do { OrtStatus* st_ = (x); if (st_) return st_; } while (0)
 
 
+/* the matmuls' quantized rows: one 64-byte aligned buffer a thread (block_matmul.c) */
+void* matmul_scratch(size_t bytes);
+
 /* callbacks every op of ours shares */
 static inline void op_free(void* kernel) { free(kernel); }
 static inline const char* op_cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }

@@ -2,7 +2,7 @@
  * gets every op of the domain "hetero_sd.native". */
 #include "ort_api.h"
 
-extern OrtCustomOp slab_attention_op, block_matmul_op;
+extern OrtCustomOp slab_attention_op, block_matmul_op, gguf_matmul_op;
 
 __attribute__((visibility("default")))
 OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -12,5 +12,6 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
   TRY(api->CreateCustomOpDomain("hetero_sd.native", &dom));
   TRY(api->CustomOpDomain_Add(dom, &slab_attention_op));
   TRY(api->CustomOpDomain_Add(dom, &block_matmul_op));
+  TRY(api->CustomOpDomain_Add(dom, &gguf_matmul_op));
   return api->AddCustomOpDomain(options, dom);
 }

@@ -1,0 +1,191 @@
+"""GGUFMatMul (backends/native/gguf_matmul.c): a matmul on a GGUF file's own Q4_K / Q6_K
+super-blocks, against a float64 reference of its numerics (int8 activations per 256
+values, exact integer sums); a row rounds alike alone and inside any call; its two
+builds (AVX-512 VNNI's 16-bit dot product, AVX2's) agree bit for bit; the precision
+`gguf` graph puts it on every K-quant linear layer (tests/backends/test_native_matmul.py
+covers BlockMatMul, the same graphs' other op)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from hetero_sd.backends import gguf_pack, native
+from hetero_sd.backends.registry import discover
+from hetero_sd.ir import load_model_ir, quant
+from helpers.gguf_mixes import encode
+from helpers.native import needs_avx2, x86_avx512
+from helpers.tiny_models import random_prompt
+
+REGISTRY = discover()
+ISAS = [pytest.param("", id="native"),
+        pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(not x86_avx512(), reason="the host's own "
+                                                                         "build is the AVX2 one (case 'native')"))]
+
+
+@pytest.fixture(params=ISAS)
+def library(request, monkeypatch):
+    monkeypatch.setenv(native.ENV, "matmul")
+    monkeypatch.setenv(native.MARCH_ENV, request.param)
+    return native.library("matmul")
+
+
+def _raw(rng, kind, n, k, noise=False):
+    """[n, k / 256 * bytes] super-blocks: encoded from gaussian weights, or (noise) random
+    bytes with every scale field finite (extreme codes, negative Q6_K scales)."""
+    if not noise:
+        return encode(kind, (rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+    size = 144 if kind == "Q4_K" else 210
+    raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+    halves = lambda scale: np.frombuffer((rng.random(len(raw)) * scale).astype(np.float16).tobytes(),  # noqa: E731
+                                        np.uint8).reshape(-1, 2)
+    if kind == "Q4_K":
+        raw[:, 0:2], raw[:, 2:4] = halves(0.01), halves(0.01)
+    else:
+        raw[:, 208:210] = halves(0.001)
+    return raw.reshape(n, -1)
+
+
+def _session(lib, kind, k, n, raw, threads=2, packed=None):
+    """The op over the file's bytes `raw` (packed as the lowering packs them), or over `packed` as given."""
+    import onnxruntime as ort
+
+    node = helper.make_node("GGUFMatMul", ["A", "B"], ["Y"], domain=native.DOMAIN, K=k, N=n,
+                            type=native.GGUF_TYPES.get(kind, 2))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                              [numpy_helper.from_array(gguf_pack.pack(kind, raw) if packed is None else packed, "B")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(native.DOMAIN, 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(model.SerializeToString(), opts)
+
+
+def _reference(a, w):
+    """The op's numerics in float64: each row quantized to int8 per 256 values (scale
+    amax / 127 and its float32 inverse, round half to even), against the file's weights
+    (gguf's own dequantization: exact in float32)."""
+    m, k = a.shape
+    x = a.reshape(m, k // 256, 256)
+    d = np.abs(x).max(-1) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint((x * inv[..., None]).astype(np.float32)).astype(np.float64)
+    return (q * d[..., None].astype(np.float64)).reshape(m, k) @ w.astype(np.float64).T
+
+
+CASES = [("Q4_K", 256, 37, False), ("Q4_K", 1536, 33, True), ("Q4_K", 768, 64, False),
+         ("Q6_K", 256, 41, True), ("Q6_K", 1280, 35, False), ("Q6_K", 512, 3, False)]
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind,k,n,noise", CASES)
+def test_the_op_matches_a_float64_reference(library, kind, k, n, noise):
+    rng = np.random.default_rng(k + n)
+    raw = _raw(rng, kind, n, k, noise)
+    w = quant.dequantize(quant.decode(kind, raw, n, k))
+    sess = _session(library, kind, k, n, raw)
+    for m in (1, 3, 4, 5, 9, 70):  # every tile height; 70 rows cross a task's 64
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        a[:, 5] *= 40  # an outlier, as hidden states have
+        a[:, 300 % k:] += 0.5  # sub-blocks whose sums are far from zero: minimums and Q6_K's offset count
+        got = sess.run(None, {"A": a})[0]
+        ref = _reference(a, w)
+        assert got.shape == (m, n)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (m, np.abs(got - ref).max())
+        assert np.abs(got - a @ w.T).max() <= 0.15 * np.abs(ref).max()  # int8 activations (an outlier): near the float product
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_row_rounds_alike_alone_and_in_any_call(library, kind):
+    """Bitwise: rows of one 16-row call against the same rows in calls of 1..16 rows at
+    every offset, a 70-row call (a prefill: two row tasks) against its rows alone, and
+    one thread against two."""
+    rng = np.random.default_rng(7)
+    k, n = 768, 45
+    raw = _raw(rng, kind, n, k)
+    sess = _session(library, kind, k, n, raw)
+    a = rng.standard_normal((70, k)).astype(np.float32)
+    whole = sess.run(None, {"A": a})[0]
+    for m in range(1, 17):
+        for i in range(0, 17 - m, 5):
+            assert np.array_equal(sess.run(None, {"A": a[i:i + m]})[0], whole[i:i + m]), (m, i)
+    alone = np.concatenate([sess.run(None, {"A": a[i:i + 1]})[0] for i in range(70)])
+    assert np.array_equal(alone, whole)
+    assert np.array_equal(_session(library, kind, k, n, raw, threads=1).run(None, {"A": a})[0], whole)
+
+
+@needs_avx2
+def test_the_two_builds_agree_bit_for_bit(monkeypatch):
+    """VNNI's 16-bit dot product and AVX2's multiply-add compute the same exact integers,
+    and both builds run the same float operations: one result."""
+    if not x86_avx512():
+        pytest.skip("one build only on an AVX2 host")
+    monkeypatch.setenv(native.ENV, "matmul")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5, 512)).astype(np.float32)
+    for kind in ("Q4_K", "Q6_K"):
+        raw = _raw(rng, kind, 29, 512, noise=True)
+        outs = []
+        for flags in ("", "-mno-avx512f"):
+            monkeypatch.setenv(native.MARCH_ENV, flags)
+            outs.append(_session(native.library("matmul"), kind, 512, 29, raw).run(None, {"A": a})[0])
+        assert np.array_equal(outs[0], outs[1]), kind
+
+
+@needs_avx2
+def test_bad_shapes_and_types_are_clear_errors(library):
+    rng = np.random.default_rng(0)
+    raw = _raw(rng, "Q4_K", 8, 256)
+    with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\]"):
+        _session(library, "Q4_K", 256, 8, raw).run(None, {"A": np.zeros((2, 128), np.float32)})
+    packed = gguf_pack.pack("Q4_K", raw)
+    with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[ceil\(N / 8\)"):  # Q6_K's groups are longer
+        _session(library, "Q6_K", 256, 8, raw, packed=packed).run(None, {"A": np.zeros((2, 256), np.float32)})
+    with pytest.raises(Exception, match=r"GGUFMatMul: type 12 \(Q4_K\) or 14 \(Q6_K\)"):
+        _session(library, "Q8_0", 256, 8, raw, packed=packed)
+    with pytest.raises(ValueError, match="GGUFMatMul holds Q4_K, Q6_K, not Q5_K"):
+        gguf_pack.pack("Q5_K", raw)
+
+
+def test_types_it_covers():
+    assert native.gguf_fits("Q4_K", 1536) and native.gguf_fits("Q6_K", 8960)
+    assert not native.gguf_fits("Q4_K", 128) and not native.gguf_fits("Q5_K", 256)
+    assert not native.gguf_fits("Q4_1", 256) and not native.gguf_fits(None, 256)
+
+
+@needs_avx2
+def test_the_gguf_graph_runs_the_files_k_quants(tiny_gguf, monkeypatch):
+    """precision gguf over a Q4_K_M file with our matmuls on: every Q4_K / Q6_K layer is a
+    GGUFMatMul on the file's bytes (no side matmul for minimums), the rest as before
+    (Q8_0 where a row is not a multiple of 256); the logits are the file's model's, up to
+    int8 activations; a one-token decode equals the same rows of a verify."""
+    from hetero_sd.backends import row_check
+
+    monkeypatch.delenv(row_check.ENV, raising=False)
+    monkeypatch.setenv(native.MATMUL_ENV, "always")
+    monkeypatch.setenv(native.ENV, "matmul")
+    ir = load_model_ir(tiny_gguf("qwen2-wide", "Q4_K_M"))
+    ours = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20)
+    assert "by our BlockMatMul" in ours.kernel_choice and ours.padding == "none"
+    graph = onnx.load(str(ours._graph_path("inplace", True)), load_external_data=False).graph
+    kquants = [n for n in graph.node if n.op_type == "GGUFMatMul"]
+    types = {a.i for n in kquants for a in n.attribute if a.name == "type"}
+    assert types == {12, 14} and not any(n.op_type == "ReduceSum" for n in graph.node)
+    inits = {t.name: t for t in graph.initializer}
+    for node in kquants:  # the file's super-blocks, 8 columns a group (gguf_pack.py)
+        attrs = {a.name: a.i for a in node.attribute}
+        kind = {12: "Q4_K", 14: "Q6_K"}[attrs["type"]]
+        assert list(inits[node.input[1]].dims) == [-(-attrs["N"] // 8), attrs["K"] // 256, gguf_pack.BYTES[kind]]
+    prompt = random_prompt(20, seed=3)
+    exact = REGISTRY.get("onnxruntime").load(ir, "cpu", "fp32", 1 << 20)  # the file's weights in float
+    ref = exact.forward(exact.allocate(32), prompt, 0, len(prompt))
+    got = ours.forward(ours.allocate(32), prompt, 0, len(prompt))
+    assert np.abs(got - ref).max() < 0.2 * ref.std()  # test_gguf_precision's bound for int8 activations
+    seq = ours.allocate(32)
+    ours.forward(seq, prompt[:8], 0, 1)
+    one = np.stack([ours.forward(seq, [t], 8 + i, 1)[0] for i, t in enumerate(prompt[8:])])
+    ours.truncate(seq, 8)
+    assert np.array_equal(ours.forward(seq, prompt[8:], 8, len(prompt) - 8), one)
