@@ -22,6 +22,9 @@ OpenVINO's ONNX frontend reads into compressed constants:
                since onnxruntime's float zero points run ~50x slower (measured)
                and its 8-bit kernel refuses them. The weights are then the
                file's weights bit for bit; no float copy of them exists.
+               With our ops (native): Q4_K / Q6_K layers are GGUFMatMul on the
+               file's super-blocks (gguf_pack.py), Q4_1's minimum BlockMatMul's
+               offsets input; no side matmul.
 """
 from __future__ import annotations
 

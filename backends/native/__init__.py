@@ -5,6 +5,10 @@
   MatMulNBits' own weights, with every row computed alike whatever the call's
   width. MatMulNBits' one-row kernel rounds apart on most hosts, so an exact
   one-token step was padded to two rows; with this op it runs as one.
+- `gguf_matmul.c` (GGUFMatMul): precision gguf's K-quant layers (Q4_K, Q6_K) on the
+  file's own super-blocks, 8 columns interleaved (backends/gguf_pack.py), the
+  sub-block scales and minimums applied in integers as llama.cpp's vec_dot does;
+  every row computed alike whatever the call's width.
 - `slab_attention.c` (SlabAttention): attention over a sequence's KV slab one
   query row at a time, so a row rounds alike alone or inside any verify by
   construction, and a one-token call needs no second attention row (onnx_gqa.py

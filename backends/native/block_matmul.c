@@ -341,10 +341,7 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   float* d = g + (size_t)M * j.kbp;
   j.qa = qa; j.dexp = dexp; j.g = g;
   Quant qj = {&j, (const float*)pa, qa, dexp, g, d};
-  if (M > 4) TRY(api->KernelContext_ParallelFor(ctx, quantize_task, (size_t)M, 0, &qj));
-  else for (int64_t m = 0; m < M; m++) quantize_task(&qj, (size_t)m);
-  const size_t tasks = (size_t)j.col_tasks * (size_t)((M + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  return api->KernelContext_ParallelFor(ctx, task, tasks, 0, &j);
+  return quantize_then_run(api, ctx, quantize_task, &qj, M, task, j.col_tasks, ROWS_PER_TASK, &j);
 }
 
 static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {

@@ -20,7 +20,7 @@
  * offset of 32 is an exact integer sum per lane; its float part is two products in a
  * fixed order, and super-blocks are summed in order. Every (row, column) runs the same
  * operations whatever the call's width: a row rounds alike alone or inside any
- * verify, by construction. Rows share each weight load (up to 4 rows a tile).
+ * verify, by construction. Rows share each weight load (up to 8 rows a tile).
  *
  * Inputs:  A [..., K] float, B [ceil(N / 8), K / 256, bytes] uint8 (a group's
  *          super-block: 1184 bytes for Q4_K, 1680 for Q6_K).
@@ -35,7 +35,17 @@
 
 #include "ort_api.h"
 
-enum { QK = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14, MR = 4, GROUPS_PER_TASK = 16, ROWS_PER_TASK = 64 };
+enum { QK = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14, GROUPS_PER_TASK = 16, ROWS_PER_TASK = 64 };
+/* rows a tile: a verify of up to MR rows reads and unpacks each weight once; 8 where
+ * AVX-512 gives 32 vector registers (a 5-row verify of the 1.5B's Q4_K as 4 + 1 rows
+ * cost 2.1x one row, measured; 8 a tile keeps three int32 sums a row in registers) */
+#if defined(__AVX512VL__)
+#define MR_8 1
+enum { MR = 8 };
+#else
+#define MR_8 0
+enum { MR = 4 };
+#endif
 enum { PREFETCH = 16384 };  /* bytes ahead in a task's stream (block_matmul.c says why; 12-16 KB measured best) */
 
 typedef struct {
@@ -43,6 +53,7 @@ typedef struct {
   const int8_t* qa;   /* [M, K] quantized activations */
   const float* ad;    /* [M, K / 256] their scale per super-block */
   const int16_t* bs;  /* [M, K / 16] sums of 16 quantized activations */
+  const int16_t* bs32;  /* [M, K / 32] sums of 32 */
   float* y;
   int64_t M, N, K;
   int type, nsb, col_tasks;
@@ -58,9 +69,9 @@ static inline float half(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); retur
 
 /* ---- activations: a row quantized to int8 per super-block (llama.cpp's Q8_K) ---- */
 
-static void quantize_row(const Job* j, const float* a, int8_t* q, float* ad, int16_t* bs) {
+static void quantize_row(const Job* j, const float* a, int8_t* q, float* ad, int16_t* bs, int16_t* bs32) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int s = 0; s < j->nsb; s++, a += QK, q += QK, bs += QK / 16) {
+  for (int s = 0; s < j->nsb; s++, a += QK, q += QK, bs += QK / 16, bs32 += QK / 32) {
     __m256 m = _mm256_setzero_ps();
     for (int i = 0; i < QK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -72,18 +83,20 @@ static void quantize_row(const Job* j, const float* a, int8_t* q, float* ad, int
       const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i), inv));
       const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i + 8), inv));
       bs[i / 16] = (int16_t)hsum_i(_mm256_add_epi32(q0, q1));
+      if (i % 32) bs32[i / 32] = (int16_t)(bs[i / 16 - 1] + bs[i / 16]);
       const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  /* in order */
       _mm_storeu_si128((__m128i*)(q + i), _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
     }
   }
 }
 
-typedef struct { const Job* j; const float* a; int8_t* qa; float* ad; int16_t* bs; } Quant;
+typedef struct { const Job* j; const float* a; int8_t* qa; float* ad; int16_t *bs, *bs32; } Quant;
 
 static void quantize_task(void* arg, size_t m) {
   const Quant* q = (const Quant*)arg;
   const Job* j = q->j;
-  quantize_row(j, q->a + m * j->K, q->qa + m * j->K, q->ad + m * j->nsb, q->bs + m * (j->K / 16));
+  quantize_row(j, q->a + m * j->K, q->qa + m * j->K, q->ad + m * j->nsb, q->bs + m * (j->K / 16),
+               q->bs32 + m * (j->K / 32));
 }
 
 /* ---- tiles: mr rows against one group of 8 columns ------------------------------
@@ -104,7 +117,29 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
 #endif
 }
 
-static inline __m256i bcast4(const int8_t* a) { int32_t v; memcpy(&v, a, 4); return _mm256_set1_epi32(v); }
+static inline __m256i bcast4(const void* a) { int32_t v; memcpy(&v, a, 4); return _mm256_set1_epi32(v); }
+
+/* acc + (p[2i] s[2i] + p[2i+1] s[2i+1]) per int32 lane, int16 pairs: exact either way */
+static inline __m256i dot2(__m256i acc, __m256i p, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, p, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
+/* the bytes of sub-blocks 2p and 2p + 1 of 8 columns ([sub-block][column] at p8) as one
+ * int16 pair a lane, column by column */
+static inline __m256i pairs_u8(const uint8_t* p8) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)p8);
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+}
+static inline __m256i pairs_i8(const uint8_t* p8) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)p8);
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+}
 
 /* the 8 columns' byte-wide values of one sub-block, widened to int32 lanes */
 static inline __m256i lanes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -126,30 +161,26 @@ static inline void store(const Job* j, int64_t m, int64_t n0, __m256 acc) {
  * then qs[4 (64 values)][8 (4 bytes)][8 columns][4]: low nibbles sub-block 2k, high 2k + 1 */
 enum { Q4K_GROUP = 16 + 16 + 64 + 64 + 1024, Q6K_GROUP = 16 + 128 + 1024 + 512 };
 
-static inline __attribute__((always_inline)) void q4k_tile(const Job* j, int64_t m0, const int mr, int64_t g) {
+/* super-block s of group g into the rows' accumulators */
+static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_t m0, const int mr, int64_t g,
+                                                            int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
-  __m256 acc[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
-  const int8_t* qa[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) qa[r] = j->qa + (size_t)(m0 + r) * j->K;
-  for (int s = 0; s < j->nsb; s++) {
+  {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q4K_GROUP;
     prefetch(b, Q4K_GROUP);
-    __m256i isum[MR], msum[MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) isum[r] = msum[r] = _mm256_setzero_si256();
+    __m256i isum[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
       __m256i lo[MR], hi[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int q = 0; q < 8; q++) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 160 + (k * 8 + q) * 32));
         const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
           const int8_t* a = qa[r] + s * QK + 64 * k + 4 * q;
           lo[r] = dot4(lo[r], wl, bcast4(a));
@@ -157,48 +188,39 @@ static inline __attribute__((always_inline)) void q4k_tile(const Job* j, int64_t
         }
       }
       const __m256i sl = lanes_u8(b + 32 + 16 * k), sh = lanes_u8(b + 32 + 16 * k + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < mr; r++)
         isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], sl), _mm256_mullo_epi32(hi[r], sh)));
     }
-#pragma GCC unroll 8
-    for (int sb = 0; sb < 8; sb++) {  /* minimum x the sub-block's activation sum */
-      const __m256i mv = lanes_u8(b + 96 + 8 * sb);
+    __m256i mp[4];  /* minimums of sub-blocks 2p, 2p + 1 */
 #pragma GCC unroll 4
-      for (int r = 0; r < mr; r++) {
-        const int16_t* bs = j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * sb;
-        msum[r] = _mm256_add_epi32(msum[r], _mm256_mullo_epi32(mv, _mm256_set1_epi32(bs[0] + bs[1])));
-      }
-    }
+    for (int p = 0; p < 4; p++) mp[p] = pairs_u8(b + 96 + 16 * p);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
+      __m256i msum = _mm256_setzero_si256();  /* minimums x their sub-blocks' activation sums */
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; p++)
+        msum = dot2(msum, mp[p], bcast4(j->bs32 + (size_t)(m0 + r) * (j->K / 32) + s * 8 + 2 * p));
       const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, ad), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, ad), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[r]);
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) store(j, m0 + r, g * 8, acc[r]);
 }
 
 /* Q6_K, a group's super-block: d[8] fp16, scales[16 sub-blocks][8] int8, then
  * ql[2 halves][2][8 (4 bytes)][8 columns][4] and qh[2 halves][8][8 columns][4] */
-static inline __attribute__((always_inline)) void q6k_tile(const Job* j, int64_t m0, const int mr, int64_t g) {
+static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_t m0, const int mr, int64_t g,
+                                                            int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
-  __m256 acc[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
-  const int8_t* qa[MR];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++) qa[r] = j->qa + (size_t)(m0 + r) * j->K;
-  for (int s = 0; s < j->nsb; s++) {
+  {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
     prefetch(b, Q6K_GROUP);
     const uint8_t *ql = b + 144, *qh = b + 144 + 1024;
     __m256i isum[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 4
@@ -206,7 +228,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const Job* j, int64_t
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) {
           __m256i sub[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < mr; r++) sub[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
           for (int q = 4 * half; q < 4 * half + 4; q++) {
@@ -218,51 +240,68 @@ static inline __attribute__((always_inline)) void q6k_tile(const Job* j, int64_t
                              : k == 2 ? _mm256_and_si256(hb, _mm256_set1_epi8(0x30))
                                       : _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2);
             const __m256i w = _mm256_or_si256(l4, h2);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < mr; r++) sub[r] = dot4(sub[r], w, bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
           }
           const int sb = 8 * h + 2 * k + half;
           const __m256i sc = lanes_i8(b + 16 + 8 * sb);
-#pragma GCC unroll 4
-          for (int r = 0; r < mr; r++) {  /* q is stored plus 32: less 32 x the sub-block's sum */
-            const int16_t off = j->bs[(size_t)(m0 + r) * (j->K / 16) + s * 16 + sb];
-            const __m256i t = _mm256_sub_epi32(sub[r], _mm256_set1_epi32(32 * off));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(t, sc));
-          }
+#pragma GCC unroll 8
+          for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[r], sc));
         }
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
+      __m256i off = _mm256_setzero_si256();  /* q is stored plus 32: less 32 x scale x each sub-block's sum */
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; p++)
+        off = dot2(off, _mm256_slli_epi16(pairs_i8(b + 16 + 16 * p), 5),
+                   bcast4(j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * p));
       const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, ad), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), _mm256_mul_ps(d, ad), acc[r]);
     }
   }
-#pragma GCC unroll 4
+}
+
+static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0, const int mr, int64_t g) {
+  __m256 acc[MR];
+  const int8_t* qa[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++) {
+    acc[r] = _mm256_setzero_ps();
+    qa[r] = j->qa + (size_t)(m0 + r) * j->K;
+  }
+  for (int s = 0; s < j->nsb; s++) {
+    if (j->type == TYPE_Q4_K) q4k_block(j, m0, mr, g, s, qa, acc);
+    else q6k_block(j, m0, mr, g, s, qa, acc);
+  }
+#pragma GCC unroll 8
   for (int r = 0; r < mr; r++) store(j, m0 + r, g * 8, acc[r]);
 }
 
-static inline __attribute__((always_inline)) void row_tile(const Job* j, int64_t m0, const int mr, int64_t g0,
-                                                           int64_t g1) {
-  for (int64_t g = g0; g < g1; g++) {
-    if (j->type == TYPE_Q4_K) q4k_tile(j, m0, mr, g);
-    else q6k_tile(j, m0, mr, g);
-  }
-}
-
+/* a task: its groups one at a time, each against all its rows, MR at a time, so a
+ * group's weights come from memory once and from the cache for the next rows */
 static void task(void* arg, size_t t) {
   const Job* j = (const Job*)arg;
   const int64_t groups = (j->N + 7) / 8;
   const int64_t g0 = (int64_t)(t % j->col_tasks) * GROUPS_PER_TASK, g1 = g0 + GROUPS_PER_TASK < groups ? g0 + GROUPS_PER_TASK : groups;
   const int64_t m0 = (int64_t)(t / j->col_tasks) * ROWS_PER_TASK, m1 = m0 + ROWS_PER_TASK < j->M ? m0 + ROWS_PER_TASK : j->M;
-  int64_t m = m0;
-  for (; m + MR <= m1; m += MR) row_tile(j, m, MR, g0, g1);
-  switch (m1 - m) {
-    case 3: row_tile(j, m, 3, g0, g1); break;
-    case 2: row_tile(j, m, 2, g0, g1); break;
-    case 1: row_tile(j, m, 1, g0, g1); break;
-    default: break;
+  for (int64_t g = g0; g < g1; g++) {
+    int64_t m = m0;
+    for (; m + MR <= m1; m += MR) tile(j, m, MR, g);
+    switch (m1 - m) {  /* (each width its own inlined copy, its loops unrolled) */
+#if MR_8
+      case 7: tile(j, m, 7, g); break;
+      case 6: tile(j, m, 6, g); break;
+      case 5: tile(j, m, 5, g); break;
+      case 4: tile(j, m, 4, g); break;
+#endif
+      case 3: tile(j, m, 3, g); break;
+      case 2: tile(j, m, 2, g); break;
+      case 1: tile(j, m, 1, g); break;
+      default: break;
+    }
   }
 }
 
@@ -300,16 +339,14 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
            .nsb = (int)(K / QK)};
   j.col_tasks = (int)(((N + 7) / 8 + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK);
   const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63, fbytes = ((size_t)M * j.nsb * 4 + 63) & ~(size_t)63;
-  int8_t* qa = (int8_t*)matmul_scratch(qbytes + fbytes + (size_t)M * (K / 16) * 2);
+  int8_t* qa = (int8_t*)matmul_scratch(qbytes + fbytes + (size_t)M * (K / 16 + K / 32) * 2);
   if (!qa) return api->CreateStatus(ORT_FAIL, "GGUFMatMul: out of memory for the quantized rows");
   j.qa = qa;
   j.ad = (const float*)(qa + qbytes);
   j.bs = (const int16_t*)(qa + qbytes + fbytes);
-  Quant qj = {&j, (const float*)pa, qa, (float*)j.ad, (int16_t*)j.bs};
-  if (M > 4) TRY(api->KernelContext_ParallelFor(ctx, quantize_task, (size_t)M, 0, &qj));
-  else for (int64_t m = 0; m < M; m++) quantize_task(&qj, (size_t)m);
-  const size_t tasks = (size_t)j.col_tasks * (size_t)((M + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  return api->KernelContext_ParallelFor(ctx, task, tasks, 0, &j);
+  j.bs32 = j.bs + (size_t)M * (K / 16);
+  Quant qj = {&j, (const float*)pa, qa, (float*)j.ad, (int16_t*)j.bs, (int16_t*)j.bs32};
+  return quantize_then_run(api, ctx, quantize_task, &qj, M, task, j.col_tasks, ROWS_PER_TASK, &j);
 }
 
 static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {

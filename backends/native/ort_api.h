@@ -102,6 +102,17 @@ static inline OrtStatus* dims(const OrtApi* api, const OrtValue* v, int64_t* out
 /* the matmuls' quantized rows: one 64-byte aligned buffer a thread (block_matmul.c) */
 void* matmul_scratch(size_t bytes);
 
+/* a matmul's two passes: each row of A quantized (in parallel above 4 rows), then the
+ * tiles, col_tasks a band of rows_per_task rows */
+static inline OrtStatus* quantize_then_run(const OrtApi* api, OrtKernelContext* ctx, void (*quantize)(void*, size_t),
+                                           void* rows, int64_t M, void (*task)(void*, size_t), int col_tasks,
+                                           int64_t rows_per_task, void* job) {
+  if (M > 4) TRY(api->KernelContext_ParallelFor(ctx, quantize, (size_t)M, 0, rows));
+  else for (int64_t m = 0; m < M; m++) quantize(rows, (size_t)m);
+  const size_t tasks = (size_t)col_tasks * (size_t)((M + rows_per_task - 1) / rows_per_task);
+  return api->KernelContext_ParallelFor(ctx, task, tasks, 0, job);
+}
+
 /* callbacks every op of ours shares */
 static inline void op_free(void* kernel) { free(kernel); }
 static inline const char* op_cpu(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }

@@ -15,20 +15,10 @@ from hetero_sd.backends import gguf_pack, native
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, quant
 from helpers.gguf_mixes import encode
-from helpers.native import needs_avx2, x86_avx512
+from helpers.native import matmul_library, needs_avx2, x86_avx512  # noqa: F401 (the fixture `library`)
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
-ISAS = [pytest.param("", id="native"),
-        pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(not x86_avx512(), reason="the host's own "
-                                                                         "build is the AVX2 one (case 'native')"))]
-
-
-@pytest.fixture(params=ISAS)
-def library(request, monkeypatch):
-    monkeypatch.setenv(native.ENV, "matmul")
-    monkeypatch.setenv(native.MARCH_ENV, request.param)
-    return native.library("matmul")
 
 
 def _raw(rng, kind, n, k, noise=False):

@@ -15,21 +15,10 @@ from hetero_sd.backends import native
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, reference_logits
 from hetero_sd.ir.errors import BackendError
-from helpers.native import needs_avx2, x86_avx512
+from helpers.native import matmul_library, needs_avx2, x86_avx512  # noqa: F401 (the fixture `library`)
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
-# the AVX2 code is built on an AVX-512 host too, by turning AVX-512 off
-ISAS = [pytest.param("", id="native"),
-        pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(not x86_avx512(), reason="the host's own "
-                                                                         "build is the AVX2 one (case 'native')"))]
-
-
-@pytest.fixture(params=ISAS)
-def library(request, monkeypatch):
-    monkeypatch.setenv(native.ENV, "matmul")
-    monkeypatch.setenv(native.MARCH_ENV, request.param)
-    return native.library("matmul")  # on an AVX2 CPU, a build failure fails the test
 
 
 def _weights(rng, k, n, bits, block, zero_points):

@@ -21,3 +21,20 @@ def x86_avx512() -> bool:
     """Whether the host runs BlockMatMul's AVX-512 VNNI code (its AVX2 code runs there too)."""
     flags = host_signature()["flags"]
     return x86_avx2() and all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
+# the AVX2 code is built on an AVX-512 host too, by turning AVX-512 off
+ISAS = [pytest.param("", id="native"),
+        pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(not x86_avx512(), reason="the host's own "
+                                                                         "build is the AVX2 one (case 'native')"))]
+
+
+@pytest.fixture(params=ISAS, name="library")
+def matmul_library(request, monkeypatch):
+    """Our kernels' library, built for the host and (on an AVX-512 host) for AVX2 alone;
+    on an AVX2 CPU a build failure fails the test."""
+    from hetero_sd.backends import native
+
+    monkeypatch.setenv(native.ENV, "matmul")
+    monkeypatch.setenv(native.MARCH_ENV, request.param)
+    return native.library("matmul")
