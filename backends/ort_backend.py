@@ -206,7 +206,7 @@ class OrtRunner(GraphRunner):
             return
         if matmul_policy() == "always" or self.precision.name == "gguf":
             why = f"{MATMUL_ENV}=always" if matmul_policy() == "always" else \
-                "precision gguf: GGUFMatMul on the file's K-quant blocks"
+                "precision gguf: ours on the file's blocks"
             self._kernel_note += f" ({why})"
             self._open_graph(attention, native_matmul=True)
             return
