@@ -55,7 +55,8 @@ class OrtBackend:
         # which ops the one-sequence graph runs (a model may still not fit them)
         native, why = kernel_available("matmul")
         where = "" if matmul_policy() == "always" else " where MatMulNBits would pad (its row check)"
-        matmul = f"quantized matmul: our BlockMatMul{where}, precision gguf's K-quants by our GGUFMatMul" if native else \
+        matmul = f"quantized matmul: our BlockMatMul{where}; precision gguf: ours always, K-quants by our GGUFMatMul" \
+            if native else \
             f"quantized matmul: MatMulNBits; BlockMatMul {why}"
         native, why = kernel_available("attention")
         attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
