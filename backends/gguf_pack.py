@@ -12,9 +12,10 @@ as one vector:
     | qs[4 chunks of 64 values][8 steps][8 columns][4 bytes]
       (a byte's low nibble is value 64c + 4s + i, its high one 64c + 32 + 4s + i)
 
-  Q6_K (1680 bytes, 210 a column, as the file)
-    d[8] fp16 | scales[16 sub-blocks][8] int8
-    | ql[2 halves][2][8 steps][8 columns][4 bytes] | qh[2 halves][8 steps][8 columns][4 bytes]
+  Q6_K (1696 bytes, 212 a column against the file's 210: padded to a multiple
+  of 32, so that no 32-byte load of the op straddles two cache lines)
+    ql[2 halves][2][8 steps][8 columns][4 bytes] | qh[2 halves][8 steps][8 columns][4 bytes]
+    | d[8] fp16 | scales[16 sub-blocks][8] int8 | 16 zero bytes
 
 A last group short of 8 columns is padded with zero blocks (d = 0), whose outputs
 the op drops. Every number is the file's: the op computes with exactly its weights.
@@ -26,7 +27,7 @@ import numpy as np
 from hetero_sd.ir import quant
 
 GROUP = 8  # columns a group
-BYTES = {"Q4_K": 1184, "Q6_K": 1680}  # a group's super-block
+BYTES = {"Q4_K": 1184, "Q6_K": 1696}  # a group's super-block
 FILE_BYTES = {"Q4_K": 144, "Q6_K": 210}  # a column's super-block in the file
 
 
@@ -53,9 +54,10 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
         mn = mn.astype(np.uint8).reshape(groups, GROUP, nsb, 8, 1)
         parts = [b[..., 0:2], b[..., 2:4], sc, mn, b[..., 16:].reshape(groups, GROUP, nsb, 4, 8, 4)]
     else:
-        parts = [b[..., 208:210], b[..., 192:208].reshape(groups, GROUP, nsb, 16, 1),
-                 b[..., 0:128].reshape(groups, GROUP, nsb, 2, 2, 8, 4),
-                 b[..., 128:192].reshape(groups, GROUP, nsb, 2, 8, 4)]
+        parts = [b[..., 0:128].reshape(groups, GROUP, nsb, 2, 2, 8, 4),
+                 b[..., 128:192].reshape(groups, GROUP, nsb, 2, 8, 4),
+                 b[..., 208:210], b[..., 192:208].reshape(groups, GROUP, nsb, 16, 1),
+                 np.zeros((groups, GROUP, nsb, 2), np.uint8)]
     out = np.concatenate([minor(p) for p in parts], axis=-1)
     assert out.shape[-1] == BYTES[kind]
     return out

@@ -23,7 +23,7 @@
  * verify, by construction. Rows share each weight load (up to 8 rows a tile).
  *
  * Inputs:  A [..., K] float, B [ceil(N / 8), K / 256, bytes] uint8 (a group's
- *          super-block: 1184 bytes for Q4_K, 1680 for Q6_K).
+ *          super-block: 1184 bytes for Q4_K, 1696 for Q6_K).
  * Output:  Y [..., N] float.
  * Attributes: K (a multiple of 256), N, type (ggml's numbering: 12 Q4_K, 14 Q6_K).
  * Written with 256-bit AVX2 (as llama.cpp's K-quant dot products are, AVX-512 hosts
@@ -159,7 +159,7 @@ static inline void store(const Job* j, int64_t m, int64_t n0, __m256 acc) {
 
 /* Q4_K, a group's super-block: d[8] fp16, dmin[8] fp16, scales[8 sub-blocks][8], mins[8][8],
  * then qs[4 (64 values)][8 (4 bytes)][8 columns][4]: low nibbles sub-block 2k, high 2k + 1 */
-enum { Q4K_GROUP = 16 + 16 + 64 + 64 + 1024, Q6K_GROUP = 16 + 128 + 1024 + 512 };
+enum { Q4K_GROUP = 16 + 16 + 64 + 64 + 1024, Q6K_GROUP = 1024 + 512 + 16 + 128 + 16 };
 
 /* super-block s of group g into the rows' accumulators */
 static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_t m0, const int mr, int64_t g,
@@ -210,15 +210,17 @@ static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_
   }
 }
 
-/* Q6_K, a group's super-block: d[8] fp16, scales[16 sub-blocks][8] int8, then
- * ql[2 halves][2][8 (4 bytes)][8 columns][4] and qh[2 halves][8][8 columns][4] */
+/* Q6_K, a group's super-block: ql[2 halves][2][8 (4 bytes)][8 columns][4],
+ * qh[2 halves][8][8 columns][4], d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes
+ * of padding: 1696 bytes, a multiple of 32, so no 32-byte load straddles two cache
+ * lines (at 1680, every other block's did: it streamed at 15-22 GB/s) */
 static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_t m0, const int mr, int64_t g,
                                                             int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
   {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
     prefetch(b, Q6K_GROUP);
-    const uint8_t *ql = b + 144, *qh = b + 144 + 1024;
+    const uint8_t *ql = b, *qh = b + 1024, *sc8 = b + 1552;
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -244,19 +246,19 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
             for (int r = 0; r < mr; r++) sub[r] = dot4(sub[r], w, bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
           }
           const int sb = 8 * h + 2 * k + half;
-          const __m256i sc = lanes_i8(b + 16 + 8 * sb);
+          const __m256i sc = lanes_i8(sc8 + 8 * sb);
 #pragma GCC unroll 8
           for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[r], sc));
         }
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 1536)));
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
       __m256i off = _mm256_setzero_si256();  /* q is stored plus 32: less 32 x scale x each sub-block's sum */
 #pragma GCC unroll 8
       for (int p = 0; p < 8; p++)
-        off = dot2(off, _mm256_slli_epi16(pairs_i8(b + 16 + 16 * p), 5),
+        off = dot2(off, _mm256_slli_epi16(pairs_i8(sc8 + 16 * p), 5),
                    bcast4(j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * p));
       const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), _mm256_mul_ps(d, ad), acc[r]);
