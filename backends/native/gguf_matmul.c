@@ -4,8 +4,9 @@
  *
  * Why: as MatMulNBits' (or BlockMatMul's) blocks, a Q4_K_M model costs more bytes than
  * its file (a float scale per 32 or 16 values, Q6_K's 6 bits in an 8-bit container) and
- * Q4_K's minimums a side matmul; here a weight costs the file's bits (Q6_K 6.56, Q4_K
- * 4.63: its 6-bit scales unpacked to bytes), and the sub-block scales and minimums are
+ * Q4_K's minimums a side matmul; here a weight costs about the file's bits (Q6_K 6.63
+ * against 6.56: padded for alignment; Q4_K 4.63 against 4.5: its 6-bit scales unpacked
+ * to bytes), and the sub-block scales and minimums are
  * applied in integers, as llama.cpp's vec_dot does.
  *
  * Layout (backends/gguf_pack.py): the file's super-blocks with 8 columns interleaved,
