@@ -47,7 +47,7 @@ enum { MR = 8 };
 #define MR_8 0
 enum { MR = 4 };
 #endif
-enum { PREFETCH = 16384 };  /* bytes ahead in a task's stream (block_matmul.c says why; 12-16 KB measured best) */
+enum { PREFETCH = 16384 };  /* bytes ahead in a task's stream (block_matmul.c says why; 4-64 KB measured alike) */
 
 typedef struct {
   const uint8_t* w;
@@ -65,8 +65,6 @@ static inline int32_t hsum_i(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
-
-static inline float half(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 /* ---- activations: a row quantized to int8 per super-block (llama.cpp's Q8_K) ---- */
 
