@@ -15,7 +15,7 @@ from hetero_sd.backends import gguf_pack, native
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, quant
 from helpers.gguf_mixes import encode
-from helpers.native import matmul_library, needs_avx2, x86_avx512  # noqa: F401 (the fixture `library`)
+from helpers.native import assert_rows_alike, matmul_library, needs_avx2, x86_avx512  # noqa: F401 (the fixture `library`)
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
@@ -98,12 +98,7 @@ def test_a_row_rounds_alike_alone_and_in_any_call(library, kind):
     raw = _raw(rng, kind, n, k)
     sess = _session(library, kind, k, n, raw)
     a = rng.standard_normal((70, k)).astype(np.float32)
-    whole = sess.run(None, {"A": a})[0]
-    for m in range(1, 17):
-        for i in range(0, 17 - m, 5):
-            assert np.array_equal(sess.run(None, {"A": a[i:i + m]})[0], whole[i:i + m]), (m, i)
-    alone = np.concatenate([sess.run(None, {"A": a[i:i + 1]})[0] for i in range(70)])
-    assert np.array_equal(alone, whole)
+    whole = assert_rows_alike(lambda x: sess.run(None, {"A": x})[0], a)
     assert np.array_equal(_session(library, kind, k, n, raw, threads=1).run(None, {"A": a})[0], whole)
 
 

@@ -38,3 +38,17 @@ def matmul_library(request, monkeypatch):
     monkeypatch.setenv(native.ENV, "matmul")
     monkeypatch.setenv(native.MARCH_ENV, request.param)
     return native.library("matmul")
+
+
+def assert_rows_alike(run, a):
+    """Bitwise: the rows of one call of all of `a` (70 rows: a prefill, two row tasks)
+    against the same rows in calls of 1..16 rows at several offsets, and each row alone.
+    `run(x)` is one call of the op; returns that whole call's output."""
+    import numpy as np
+
+    whole = run(a)
+    for m in range(1, 17):
+        for i in range(0, 17 - m, 5):
+            assert np.array_equal(run(a[i:i + m]), whole[i:i + m]), (m, i)
+    assert np.array_equal(np.concatenate([run(a[i:i + 1]) for i in range(len(a))]), whole)
+    return whole
