@@ -61,3 +61,14 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
     out = np.concatenate([minor(p) for p in parts], axis=-1)
     assert out.shape[-1] == BYTES[kind]
     return out
+
+
+def pack_gated(kind: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """An MLP's gate and up projections (the file's bytes, alike in shape) for GGUFMatMul's
+    gated form: each group of 8 gate columns followed by the up group of the same
+    columns, [2 ceil(N / 8), K / 256, BYTES[kind]], so one task of the op holds both
+    halves of its output columns (Y = silu(gate) * up, no [.., 2N] tensor between)."""
+    g, u = pack(kind, gate), pack(kind, up)
+    if g.shape != u.shape:
+        raise ValueError(f"gate and up differ in shape: {g.shape} against {u.shape}")
+    return np.stack([g, u], axis=1).reshape(-1, *g.shape[1:])

@@ -62,7 +62,11 @@ def _activation(b, x: str, kind: str) -> str:
 def gated_mlp(b, linear, cfg, h: str, p: str, expert: int | None = None) -> str:
     """down(act(gate(h)) * up(h)); gate and up as one wider matmul."""
     width = cfg.moe.intermediate_size if expert is not None else cfg.intermediate_size
-    gate, up = split(b, linear(h, gate_up_names(p, cfg, expert)), [width, width])
+    names = gate_up_names(p, cfg, expert)
+    fused = linear.gated(h, names, cfg.hidden_act)  # (one op where the lowering has one)
+    if fused is not None:
+        return linear(fused, [down_name(p, expert)])
+    gate, up = split(b, linear(h, names), [width, width])
     return linear(b.op("Mul", _activation(b, gate, cfg.hidden_act), up), [down_name(p, expert)])
 
 

@@ -146,7 +146,7 @@ class Linears:
                  out: str | None = None, rows: int | None = None) -> str:
         """`rows`: keep only the first output rows (a restricted LM head; one name)."""
         if self.precision == "gguf":
-            y = self._gguf(x, names, rows)
+            y, bias = self._gguf(x, names, rows, bias), None  # (the bias added there)
         else:
             w = np.concatenate([self.float_weight(n) for n in names]) if len(names) > 1 else \
                 self.float_weight(names[0])[:rows]
@@ -193,21 +193,30 @@ class Linears:
                     accuracy_level=ACCURACY_LEVEL)
 
     # -- gguf: the file's blocks
-    def _gguf(self, x: str, names: list[str], rows: int | None = None) -> str:
+    def _gguf(self, x: str, names: list[str], rows: int | None = None, bias: np.ndarray | None = None) -> str:
         """Runs of names in one block format fuse into one matmul; a tensor
-        stored as floats (or a type with no block form) is an exact fp32 one."""
+        stored as floats (or a type with no block form) is an exact fp32 one.
+        Each matmul adds its rows' part of `bias` (GGUFMatMul in the op itself)."""
         outs, run = [], []
+        done = 0  # output rows so far (where each matmul's part of the bias starts)
+
+        def part(n: int) -> np.ndarray | None:
+            nonlocal done
+            done += n
+            return None if bias is None else bias[done - n:done]
 
         def flush():
             if run:
-                outs.append(self.blocks_matmul(x, run[0] if len(run) == 1 else _stack(run)))
+                blk = run[0] if len(run) == 1 else _stack(run)
+                outs.append(self.blocks_matmul(x, blk, part(blk.shape[0])))
                 run.clear()
 
         for name in names:
             blk = self.weights.blocks(name)
             if blk is None:
                 flush()
-                outs.append(self._float_matmul(x, self.float_weight(name)[:rows]))
+                w = self.float_weight(name)[:rows]
+                outs.append(self._add(self._float_matmul(x, w), part(w.shape[0])))
                 continue
             blk = blk if rows is None else blk.rows(0, rows)
             if run and _format(run[0]) != _format(blk):
@@ -216,14 +225,42 @@ class Linears:
         flush()
         return outs[0] if len(outs) == 1 else self.b.op("Concat", *outs, axis=-1)
 
-    def blocks_matmul(self, x: str, blk: quant.Blocks) -> str:
+    def _add(self, y: str, bias: np.ndarray | None) -> str:
+        return y if bias is None else self.b.op("Add", y, self.b.const(bias.astype(np.float32), "b"))
+
+    def _ours(self, blk: quant.Blocks | None) -> bool:
+        """Whether our GGUFMatMul computes on these blocks (the file's own super-blocks)."""
+        return blk is not None and self.native and gguf_fits(blk.kind, blk.shape[1]) and blk.raw is not None
+
+    def gated(self, x: str, names: list[str], act: str) -> str | None:
+        """act(x G^T) * (x U^T) for names [gate, up], as one GGUFMatMul (its gated form),
+        or None where that op does not cover it (the caller then runs the matmul, split
+        and activation)."""
+        if self.precision != "gguf" or act != "silu" or len(names) != 2:
+            return None
+        g, u = (self.weights.blocks(name) for name in names)
+        if not (self._ours(g) and self._ours(u)) or g.kind != u.kind or g.shape != u.shape:
+            return None
+        n, k = g.shape
+        # one op: no [T, 2N] tensor, no split, activation or product as nodes of their own
+        return self.b.op("GGUFMatMul", x, self.b.const(gguf_pack.pack_gated(g.kind, g.raw, u.raw), "wg"),
+                         domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[g.kind], gated=1)
+
+    def blocks_matmul(self, x: str, blk: quant.Blocks, bias: np.ndarray | None = None) -> str:
         n, k = blk.shape
-        q = blk.q
-        if self.native and gguf_fits(blk.kind, k) and blk.raw is not None:
+        if self._ours(blk):
             # our GGUFMatMul computes on the file's own super-blocks, 8 columns interleaved
             # (gguf_pack.py): a weight costs the file's bits, its scales apply in integers
-            return self.b.op("GGUFMatMul", x, self.b.const(gguf_pack.pack(blk.kind, blk.raw), "wg"),
-                             domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[blk.kind])
+            ins = [x, self.b.const(gguf_pack.pack(blk.kind, blk.raw), "wg")]
+            if bias is not None:  # added in the op: no node of its own
+                ins.append(self.b.const(bias.astype(np.float32), "b"))
+            return self.b.op("GGUFMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[blk.kind])
+        return self._add(self._nbits_blocks(x, blk), bias)
+
+    def _nbits_blocks(self, x: str, blk: quant.Blocks) -> str:
+        """The blocks as MatMulNBits' (or our BlockMatMul's) inputs."""
+        n, k = blk.shape
+        q = blk.q
         if blk.offset is not None and self.native and blk.bits == 4 and matmul_fits(k, 4, blk.block):
             # our BlockMatMul applies the minimum itself (its offsets input), with each
             # block's activation sum: no side matmul (a third of SmolLM2's gguf step)

@@ -24,9 +24,13 @@
  * verify, by construction. Rows share each weight load (up to 8 rows a tile).
  *
  * Inputs:  A [..., K] float, B [ceil(N / 8), K / 256, bytes] uint8 (a group's
- *          super-block: 1184 bytes for Q4_K, 1696 for Q6_K).
- * Output:  Y [..., N] float.
- * Attributes: K (a multiple of 256), N, type (ggml's numbering: 12 Q4_K, 14 Q6_K).
+ *          super-block: 1184 bytes for Q4_K, 1696 for Q6_K), bias (optional) [N] float.
+ * Output:  Y [..., N] float: A W^T + bias.
+ * Attributes: K (a multiple of 256), N, type (ggml's numbering: 12 Q4_K, 14 Q6_K),
+ *          gated (default 0). Gated: B holds 2 ceil(N / 8) groups, a gate projection's
+ *          group then an up projection's group of the same 8 columns (gguf_pack.py's
+ *          pack_gated), and Y = silu(A G^T) * (A U^T): an MLP's gate, up and
+ *          activation in one op, with no [.., 2N] tensor between (no bias).
  * Written with 256-bit AVX2 (as llama.cpp's K-quant dot products are, AVX-512 hosts
  * included); where the host has VNNI, its dot product saves two instructions.
  */
@@ -55,9 +59,10 @@ typedef struct {
   const float* ad;    /* [M, K / 256] their scale per super-block */
   const int16_t* bs;  /* [M, K / 16] sums of 16 quantized activations */
   const int16_t* bs32;  /* [M, K / 32] sums of 32 */
+  const float* bias;   /* [N] or NULL */
   float* y;
   int64_t M, N, K;
-  int type, nsb, col_tasks;
+  int type, nsb, col_tasks, gated;
 } Job;
 
 static inline int32_t hsum_i(__m256i v) {
@@ -148,10 +153,36 @@ static inline void prefetch(const uint8_t* p, int bytes) {
   for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char*)p + PREFETCH + l, _MM_HINT_T0);
 }
 
+/* exp(x) for x in [-87, 88] (clamped there), to about 2 ulp: 2^n e^r, |r| <= ln 2 / 2,
+ * e^r by its Taylor polynomial to degree 7 (Horner, fused multiply-adds). Elementwise: a
+ * row's values never depend on the call's width. */
+static inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  /* ln 2 in two parts: r exact to float */
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* silu(g) u = g u / (1 + e^-g) */
+static inline __m256 swiglu(__m256 g, __m256 u) {
+  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 static inline void store(const Job* j, int64_t m, int64_t n0, __m256 acc) {
   float* y = j->y + (size_t)m * j->N + n0;
   if (n0 + 8 <= j->N) { _mm256_storeu_ps(y, acc); return; }
-  float t[8];  /* the last group's padding columns are dropped */
+  float t[8];  /* the last group's padding columns (zero blocks) are dropped */
   _mm256_storeu_ps(t, acc);
   memcpy(y, t, (size_t)(j->N - n0) * sizeof(float));
 }
@@ -265,8 +296,8 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
   }
 }
 
-static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0, const int mr, int64_t g) {
-  __m256 acc[MR];
+/* acc[r] = rows m0.. of A times group g's 8 columns */
+static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0, const int mr, int64_t g, __m256* acc) {
   const int8_t* qa[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
@@ -277,30 +308,51 @@ static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0,
     if (j->type == TYPE_Q4_K) q4k_block(j, m0, mr, g, s, qa, acc);
     else q6k_block(j, m0, mr, g, s, qa, acc);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < mr; r++) store(j, m0 + r, g * 8, acc[r]);
 }
 
-/* a task: its groups one at a time, each against all its rows, MR at a time, so a
- * group's weights come from memory once and from the cache for the next rows */
+/* rows m0.. of Y's columns 8c..: group c (+ bias), or gated, silu(group 2c) * group 2c + 1 */
+static inline __attribute__((always_inline)) void out_tile(const Job* j, int64_t m0, const int mr, int64_t c) {
+  __m256 acc[MR];
+  if (j->gated) {
+    __m256 up[MR];
+    tile(j, m0, mr, 2 * c, acc);
+    tile(j, m0, mr, 2 * c + 1, up);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) acc[r] = swiglu(acc[r], up[r]);
+  } else {
+    tile(j, m0, mr, c, acc);
+    if (j->bias) {
+      float b[8] = {0};
+      memcpy(b, j->bias + c * 8, (size_t)(j->N - c * 8 < 8 ? j->N - c * 8 : 8) * sizeof(float));
+      const __m256 bv = _mm256_loadu_ps(b);
+#pragma GCC unroll 8
+      for (int r = 0; r < mr; r++) acc[r] = _mm256_add_ps(acc[r], bv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++) store(j, m0 + r, c * 8, acc[r]);
+}
+
+/* a task: its groups of output columns one at a time, each against all its rows, MR at
+ * a time, so a group's weights come from memory once and from the cache for the next rows */
 static void task(void* arg, size_t t) {
   const Job* j = (const Job*)arg;
-  const int64_t groups = (j->N + 7) / 8;
+  const int64_t groups = (j->N + 7) / 8;  /* of Y's columns (gated: two of B's groups each) */
   const int64_t g0 = (int64_t)(t % j->col_tasks) * GROUPS_PER_TASK, g1 = g0 + GROUPS_PER_TASK < groups ? g0 + GROUPS_PER_TASK : groups;
   const int64_t m0 = (int64_t)(t / j->col_tasks) * ROWS_PER_TASK, m1 = m0 + ROWS_PER_TASK < j->M ? m0 + ROWS_PER_TASK : j->M;
   for (int64_t g = g0; g < g1; g++) {
     int64_t m = m0;
-    for (; m + MR <= m1; m += MR) tile(j, m, MR, g);
+    for (; m + MR <= m1; m += MR) out_tile(j, m, MR, g);
     switch (m1 - m) {  /* (each width its own inlined copy, its loops unrolled) */
 #if MR_8
-      case 7: tile(j, m, 7, g); break;
-      case 6: tile(j, m, 6, g); break;
-      case 5: tile(j, m, 5, g); break;
-      case 4: tile(j, m, 4, g); break;
+      case 7: out_tile(j, m, 7, g); break;
+      case 6: out_tile(j, m, 6, g); break;
+      case 5: out_tile(j, m, 5, g); break;
+      case 4: out_tile(j, m, 4, g); break;
 #endif
-      case 3: tile(j, m, 3, g); break;
-      case 2: tile(j, m, 2, g); break;
-      case 1: tile(j, m, 1, g); break;
+      case 3: out_tile(j, m, 3, g); break;
+      case 2: out_tile(j, m, 2, g); break;
+      case 1: out_tile(j, m, 1, g); break;
       default: break;
     }
   }
@@ -308,24 +360,38 @@ static void task(void* arg, size_t t) {
 
 /* ---- the onnxruntime kernel ------------------------------------------------------ */
 
-typedef struct { const OrtApi* api; int64_t K, N, type; } Kernel;
+typedef struct { const OrtApi* api; int64_t K, N, type, gated; } Kernel;
 
 static int64_t group_bytes(int64_t type) { return type == TYPE_Q4_K ? Q4K_GROUP : Q6K_GROUP; }
 
 static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   const Kernel* kn = (const Kernel*)self;
   const OrtApi* api = kn->api;
-  const OrtValue *in_a, *in_b;
+  const OrtValue *in_a, *in_b, *in_bias = NULL;
+  size_t count;
+  TRY(api->KernelContext_GetInputCount(ctx, &count));
   TRY(api->KernelContext_GetInput(ctx, 0, &in_a));
   TRY(api->KernelContext_GetInput(ctx, 1, &in_b));
+  if (count > 2) TRY(api->KernelContext_GetInput(ctx, 2, &in_bias));
   int64_t ad[4], bd[4];
   size_t na, nb;
   TRY(dims(api, in_a, ad, &na));
   TRY(dims(api, in_b, bd, &nb));
   const int64_t K = kn->K, N = kn->N;
-  if (na < 1 || ad[na - 1] != K || nb != 3 || bd[0] != (N + 7) / 8 || bd[1] != K / QK || bd[2] != group_bytes(kn->type))
-    return api->CreateStatus(ORT_INVALID_ARGUMENT,
-                             "GGUFMatMul: A [..., K], B [ceil(N / 8), K / 256, bytes a group's super-block]");
+  if (na < 1 || ad[na - 1] != K || nb != 3 || bd[0] != (kn->gated ? 2 : 1) * ((N + 7) / 8) || bd[1] != K / QK
+      || bd[2] != group_bytes(kn->type))
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, kn->gated
+                             ? "GGUFMatMul: A [..., K], B [2 ceil(N / 8), K / 256, bytes a group's super-block] (gated)"
+                             : "GGUFMatMul: A [..., K], B [ceil(N / 8), K / 256, bytes a group's super-block]");
+  void* pbias = NULL;
+  if (in_bias) {
+    int64_t cd[4];
+    size_t nc;
+    TRY(dims(api, in_bias, cd, &nc));
+    if (kn->gated || nc != 1 || cd[0] != N)
+      return api->CreateStatus(ORT_INVALID_ARGUMENT, "GGUFMatMul: bias [N], not with gated");
+    TRY(api->GetTensorMutableData((OrtValue*)in_bias, &pbias));
+  }
   int64_t M = 1, yd[4];
   for (size_t i = 0; i + 1 < na; i++) { M *= ad[i]; yd[i] = ad[i]; }
   yd[na - 1] = N;
@@ -336,8 +402,8 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   TRY(api->KernelContext_GetOutput(ctx, 0, yd, na, &out));
   TRY(api->GetTensorMutableData(out, &py));
   if (M == 0) return NULL;
-  Job j = {.w = (const uint8_t*)pb, .y = (float*)py, .M = M, .N = N, .K = K, .type = (int)kn->type,
-           .nsb = (int)(K / QK)};
+  Job j = {.w = (const uint8_t*)pb, .bias = (const float*)pbias, .y = (float*)py, .M = M, .N = N, .K = K,
+           .type = (int)kn->type, .nsb = (int)(K / QK), .gated = (int)kn->gated};
   j.col_tasks = (int)(((N + 7) / 8 + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK);
   const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63, fbytes = ((size_t)M * j.nsb * 4 + 63) & ~(size_t)63;
   int8_t* qa = (int8_t*)matmul_scratch(qbytes + fbytes + (size_t)M * (K / 16 + K / 32) * 2);
@@ -358,6 +424,10 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "K", &k->K);
   if (!st) st = api->KernelInfoGetAttribute_int64(info, "N", &k->N);
   if (!st) st = api->KernelInfoGetAttribute_int64(info, "type", &k->type);
+  if (!st) {
+    OrtStatus* none = api->KernelInfoGetAttribute_int64(info, "gated", &k->gated);
+    if (none) { api->ReleaseStatus(none); k->gated = 0; }  /* (optional: default 0) */
+  }
   if (!st && ((k->type != TYPE_Q4_K && k->type != TYPE_Q6_K) || k->K <= 0 || k->K % QK || k->N <= 0))
     st = api->CreateStatus(ORT_INVALID_ARGUMENT, "GGUFMatMul: type 12 (Q4_K) or 14 (Q6_K), K a multiple of 256");
   if (st) { free(k); return st; }
@@ -366,14 +436,15 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
 }
 
 static const char* name(const OrtCustomOp* op) { (void)op; return "GGUFMatMul"; }
-static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? T_FLOAT : T_UINT8; }
-static size_t inputs(const OrtCustomOp* op) { (void)op; return 2; }
+static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 1 ? T_UINT8 : T_FLOAT; }
+static size_t inputs(const OrtCustomOp* op) { (void)op; return 3; }
+static int in_kind(const OrtCustomOp* op, size_t i) { (void)op; return i == 2 ? 1 : 0; }  /* the bias optional */
 static size_t outputs(const OrtCustomOp* op) { (void)op; return 1; }
 
 OrtCustomOp gguf_matmul_op = {
   .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_cpu,
   .GetInputType = input_type, .GetInputTypeCount = inputs, .GetOutputType = op_float,
-  .GetOutputTypeCount = outputs, .KernelDestroy = op_free, .GetInputCharacteristic = op_required,
+  .GetOutputTypeCount = outputs, .KernelDestroy = op_free, .GetInputCharacteristic = in_kind,
   .GetOutputCharacteristic = op_required, .GetInputMemoryType = op_cpu_memory,
   .CreateKernelV2 = create, .KernelComputeV2 = compute,
 };

@@ -37,15 +37,21 @@ def _raw(rng, kind, n, k, noise=False):
     return raw.reshape(n, -1)
 
 
-def _session(lib, kind, k, n, raw, threads=2, packed=None):
-    """The op over the file's bytes `raw` (packed as the lowering packs them), or over `packed` as given."""
+def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None):
+    """The op over the file's bytes `raw` (packed as the lowering packs them), or over
+    `packed` as given; with `bias`, or gated with `up` (then `raw` is the gate)."""
     import onnxruntime as ort
 
-    node = helper.make_node("GGUFMatMul", ["A", "B"], ["Y"], domain=native.DOMAIN, K=k, N=n,
-                            type=native.GGUF_TYPES.get(kind, 2))
+    if packed is None:
+        packed = gguf_pack.pack(kind, raw) if up is None else gguf_pack.pack_gated(kind, raw, up)
+    inits = [numpy_helper.from_array(packed, "B")]
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+    node = helper.make_node("GGUFMatMul", ["A", "B"] + (["bias"] if bias is not None else []), ["Y"],
+                            domain=native.DOMAIN, K=k, N=n, type=native.GGUF_TYPES.get(kind, 2),
+                            **({"gated": 1} if up is not None else {}))
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-                              [numpy_helper.from_array(gguf_pack.pack(kind, raw) if packed is None else packed, "B")])
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(native.DOMAIN, 1)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
@@ -87,6 +93,34 @@ def test_the_op_matches_a_float64_reference(library, kind, k, n, noise):
         assert np.abs(got - a @ w.T).max() <= 0.15 * np.abs(ref).max()  # int8 activations (an outlier): near the float product
 
 
+def _silu(x):
+    return x * 0.5 * (1 + np.tanh(x / 2))  # (x sigmoid(x), with no overflow)
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind,k,n", [("Q4_K", 512, 29), ("Q6_K", 768, 16)])
+def test_the_bias_and_the_gated_form_match_the_reference(library, kind, k, n):
+    """With a bias, Y = A W^T + bias; gated, silu(A G^T) * (A U^T) (an MLP's gate, up and
+    activation in one op), against the float64 reference, large activations included
+    (silu's exponential clamps, never overflows)."""
+    rng = np.random.default_rng(k * n)
+    raw, up = _raw(rng, kind, n, k), _raw(rng, kind, n, k, noise=True)
+    w, wu = (quant.dequantize(quant.decode(kind, r, n, k)) for r in (raw, up))
+    bias = rng.standard_normal(n).astype(np.float32)
+    biased, gated = _session(library, kind, k, n, raw, bias=bias), _session(library, kind, k, n, raw, up=up)
+    for m in (1, 5, 9):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        ref = _reference(a, w)
+        got = biased.run(None, {"A": a})[0]
+        assert np.abs(got - (ref + bias)).max() <= 1e-5 * np.abs(ref + bias).max()
+        for scale in (1, 400):  # (400: gate values past exp's range)
+            ref_g, ref_u = _reference(a * scale, w), _reference(a * scale, wu)
+            want = _silu(ref_g) * ref_u
+            got = gated.run(None, {"A": a * scale})[0]
+            assert np.isfinite(got).all() and got.shape == (m, n)
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (m, scale)
+
+
 @needs_avx2
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_a_row_rounds_alike_alone_and_in_any_call(library, kind):
@@ -100,6 +134,10 @@ def test_a_row_rounds_alike_alone_and_in_any_call(library, kind):
     a = rng.standard_normal((70, k)).astype(np.float32)
     whole = assert_rows_alike(lambda x: sess.run(None, {"A": x})[0], a)
     assert np.array_equal(_session(library, kind, k, n, raw, threads=1).run(None, {"A": a})[0], whole)
+    up, bias = _raw(rng, kind, n, k), rng.standard_normal(n).astype(np.float32)
+    for extra in ({"up": up}, {"bias": bias}):  # the gated form, the bias
+        sess = _session(library, kind, k, n, raw, **extra)
+        assert_rows_alike(lambda x: sess.run(None, {"A": x})[0], a)
 
 
 @needs_avx2
@@ -112,12 +150,14 @@ def test_the_two_builds_agree_bit_for_bit(monkeypatch):
     rng = np.random.default_rng(3)
     a = rng.standard_normal((5, 512)).astype(np.float32)
     for kind in ("Q4_K", "Q6_K"):
-        raw = _raw(rng, kind, 29, 512, noise=True)
+        raw, up = _raw(rng, kind, 29, 512, noise=True), _raw(rng, kind, 29, 512, noise=True)
         outs = []
         for flags in ("", "-mno-avx512f"):
             monkeypatch.setenv(native.MARCH_ENV, flags)
-            outs.append(_session(native.library("matmul"), kind, 512, 29, raw).run(None, {"A": a})[0])
-        assert np.array_equal(outs[0], outs[1]), kind
+            lib = native.library("matmul")
+            outs.append([_session(lib, kind, 512, 29, raw).run(None, {"A": a})[0],
+                         _session(lib, kind, 512, 29, raw, up=up).run(None, {"A": a})[0]])  # (gated: its exp too)
+        assert all(np.array_equal(x, y) for x, y in zip(*outs)), kind
 
 
 @needs_avx2
@@ -131,8 +171,14 @@ def test_bad_shapes_and_types_are_clear_errors(library):
         _session(library, "Q6_K", 256, 8, raw, packed=packed).run(None, {"A": np.zeros((2, 256), np.float32)})
     with pytest.raises(Exception, match=r"GGUFMatMul: type 12 \(Q4_K\) or 14 \(Q6_K\)"):
         _session(library, "Q8_0", 256, 8, raw, packed=packed)
+    with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[2 ceil\(N / 8\).*\(gated\)"):  # one half only
+        _session(library, "Q4_K", 256, 8, raw, packed=packed, up=raw).run(None, {"A": np.zeros((2, 256), np.float32)})
+    with pytest.raises(Exception, match=r"GGUFMatMul: bias \[N\]"):
+        _session(library, "Q4_K", 256, 8, raw, bias=np.zeros(7, np.float32)).run(None, {"A": np.zeros((2, 256), np.float32)})
     with pytest.raises(ValueError, match="GGUFMatMul holds Q4_K, Q6_K, not Q5_K"):
         gguf_pack.pack("Q5_K", raw)
+    with pytest.raises(ValueError, match="gate and up differ in shape"):
+        gguf_pack.pack_gated("Q4_K", raw, _raw(rng, "Q4_K", 8, 512))
 
 
 def test_types_it_covers():
@@ -160,10 +206,18 @@ def test_the_gguf_graph_runs_the_files_k_quants(tiny_gguf, monkeypatch):
     types = {a.i for n in kquants for a in n.attribute if a.name == "type"}
     assert types == {12, 14} and not any(n.op_type == "ReduceSum" for n in graph.node)
     inits = {t.name: t for t in graph.initializer}
-    for node in kquants:  # the file's super-blocks, 8 columns a group (gguf_pack.py)
+    for node in kquants:  # the file's super-blocks, 8 columns a group (gguf_pack.py); gated: two
         attrs = {a.name: a.i for a in node.attribute}
         kind = {12: "Q4_K", 14: "Q6_K"}[attrs["type"]]
-        assert list(inits[node.input[1]].dims) == [-(-attrs["N"] // 8), attrs["K"] // 256, gguf_pack.BYTES[kind]]
+        groups = (1 + attrs.get("gated", 0)) * -(-attrs["N"] // 8)
+        assert list(inits[node.input[1]].dims) == [groups, attrs["K"] // 256, gguf_pack.BYTES[kind]]
+    # every MLP's gate, up and silu as one gated op (no split or activation nodes); q/k/v's
+    # bias added by the op (no Add reads an initializer)
+    layers = ir.config.num_layers
+    assert sum(any(a.name == "gated" and a.i for a in n.attribute) for n in kquants) == layers
+    assert not any(n.op_type in ("Split", "Sigmoid") for n in graph.node)
+    assert ir.config.attention_bias and sum(len(n.input) == 3 for n in kquants) >= layers
+    assert not [n.name for n in graph.node if n.op_type == "Add" and any(i in inits and len(inits[i].dims) for i in n.input)]
     prompt = random_prompt(20, seed=3)
     exact = REGISTRY.get("onnxruntime").load(ir, "cpu", "fp32", 1 << 20)  # the file's weights in float
     ref = exact.forward(exact.allocate(32), prompt, 0, len(prompt))
