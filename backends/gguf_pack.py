@@ -14,8 +14,10 @@ as one vector:
 
   Q6_K (1696 bytes, 212 a column against the file's 210: padded to a multiple
   of 32, so that no 32-byte load of the op straddles two cache lines)
-    ql[2 halves][2][8 steps][8 columns][4 bytes] | qh[2 halves][8 steps][8 columns][4 bytes]
+    [2 halves][8 steps]( ql[0][8 columns][4 bytes] | ql[1][8][4] | qh[8][4] )
     | d[8] fp16 | scales[16 sub-blocks][8] int8 | 16 zero bytes
+      (a step's three rows together: a one-row call reads the weights in address
+      order, which the hardware prefetcher follows)
 
 A last group short of 8 columns is padded with zero blocks (d = 0), whose outputs
 the op drops. Every number is the file's: the op computes with exactly its weights.
@@ -54,8 +56,9 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
         mn = mn.astype(np.uint8).reshape(groups, GROUP, nsb, 8, 1)
         parts = [b[..., 0:2], b[..., 2:4], sc, mn, b[..., 16:].reshape(groups, GROUP, nsb, 4, 8, 4)]
     else:
-        parts = [b[..., 0:128].reshape(groups, GROUP, nsb, 2, 2, 8, 4),
-                 b[..., 128:192].reshape(groups, GROUP, nsb, 2, 8, 4),
+        ql = b[..., 0:128].reshape(groups, GROUP, nsb, 2, 2, 8, 4).swapaxes(4, 5)  # [half][step][j][4]
+        qh = b[..., 128:192].reshape(groups, GROUP, nsb, 2, 8, 1, 4)
+        parts = [np.concatenate([ql, qh], axis=5),  # a step's two ql rows and its qh row together
                  b[..., 208:210], b[..., 192:208].reshape(groups, GROUP, nsb, 16, 1),
                  np.zeros((groups, GROUP, nsb, 2), np.uint8)]
     out = np.concatenate([minor(p) for p in parts], axis=-1)

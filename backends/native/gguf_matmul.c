@@ -46,12 +46,16 @@ enum { QK = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14, GROUPS_PER_TASK = 16, ROWS_PER_
  * cost 2.1x one row, measured; 8 a tile keeps three int32 sums a row in registers) */
 #if defined(__AVX512VL__)
 #define MR_8 1
-enum { MR = 8 };
+enum { MR = 8, NARROW = 2 };
 #else
 #define MR_8 0
-enum { MR = 4 };
+enum { MR = 4, NARROW = 1 };  /* (16 vector registers) */
 #endif
-enum { PREFETCH = 16384 };  /* bytes ahead in a task's stream (block_matmul.c says why; 4-64 KB measured alike) */
+/* bytes ahead in a task's stream, prefetched by tiles of more than NARROW rows only: a
+ * verify's tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows
+ * 11 -> 15 GB/s, at 8 rows 9 -> 14 with 2 KB ahead; 16 KB ahead did worse), while one
+ * row, read in address order, streams fastest with none (this AMD EPYC, 2 threads) */
+enum { PREFETCH = 2048 };
 
 typedef struct {
   const uint8_t* w;
@@ -149,8 +153,10 @@ static inline __m256i pairs_i8(const uint8_t* p8) {
 static inline __m256i lanes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline __m256i lanes_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 
+/* (__builtin_prefetch: GCC 12 at -O2 dropped every _mm_prefetch of this file's inlined
+ * loops as dead code: this op never prefetched before, whatever PREFETCH said) */
 static inline void prefetch(const uint8_t* p, int bytes) {
-  for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char*)p + PREFETCH + l, _MM_HINT_T0);
+  for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH + l, 0, 3);
 }
 
 /* exp(x) for x in [-87, 88] (clamped there), to about 2 ulp: 2^n e^r, |r| <= ln 2 / 2,
@@ -197,7 +203,7 @@ static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_
   const __m256i low = _mm256_set1_epi8(15);
   {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q4K_GROUP;
-    prefetch(b, Q4K_GROUP);
+    if (mr > NARROW) prefetch(b, Q4K_GROUP);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -240,17 +246,37 @@ static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_
   }
 }
 
-/* Q6_K, a group's super-block: ql[2 halves][2][8 (4 bytes)][8 columns][4],
- * qh[2 halves][8][8 columns][4], d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes
- * of padding: 1696 bytes, a multiple of 32, so no 32-byte load straddles two cache
- * lines (at 1680, every other block's did: it streamed at 15-22 GB/s) */
+/* Q6_K's float part: q is stored plus 32, so less 32 x scale x each sub-block's
+ * activation sum, then one product with d and the row's scale */
+static inline __attribute__((always_inline)) void q6k_finish(const Job* j, int64_t m0, const int mr, const uint8_t* b,
+                                                             int s, const __m256i* isum, __m256* acc) {
+  const uint8_t* sc8 = b + 1552;
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 1536)));
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++) {
+    __m256i off = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++)
+      off = dot2(off, _mm256_slli_epi16(pairs_i8(sc8 + 16 * p), 5),
+                 bcast4(j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * p));
+    const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), _mm256_mul_ps(d, ad), acc[r]);
+  }
+}
+
+/* Q6_K, a group's super-block: [2 halves][8 steps](ql[0][8 columns][4] | ql[1][8][4] |
+ * qh[8][4]), d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes of padding: 1696 bytes,
+ * a multiple of 32, so no 32-byte load straddles two cache lines (at 1680, every other
+ * block's did: it streamed at 15-22 GB/s). A step's three rows lie together: one row's
+ * loop (q6k_block_narrow) reads a block in address order (with the file's ql, ql, qh
+ * order it streamed at 19-21 GB/s, 27-29 in order, one row, 181 MB, this AMD EPYC) */
 static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_t m0, const int mr, int64_t g,
                                                             int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
   {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
-    prefetch(b, Q6K_GROUP);
-    const uint8_t *ql = b, *qh = b + 1024, *sc8 = b + 1552;
+    prefetch(b, Q6K_GROUP);  /* (this loop runs for mr > NARROW only) */
+    const uint8_t* sc8 = b + 1552;
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -264,8 +290,8 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
           for (int r = 0; r < mr; r++) sub[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
           for (int q = 4 * half; q < 4 * half + 4; q++) {
-            const __m256i l = _mm256_loadu_si256((const __m256i*)(ql + ((h * 2 + (k & 1)) * 8 + q) * 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + (h * 8 + q) * 32));
+            const __m256i l = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + (k & 1) * 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + 64));
             const __m256i l4 = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), low);
             const __m256i h2 = k == 0 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)
                              : k == 1 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)
@@ -282,18 +308,57 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
         }
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 1536)));
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) {
-      __m256i off = _mm256_setzero_si256();  /* q is stored plus 32: less 32 x scale x each sub-block's sum */
-#pragma GCC unroll 8
-      for (int p = 0; p < 8; p++)
-        off = dot2(off, _mm256_slli_epi16(pairs_i8(sc8 + 16 * p), 5),
-                   bcast4(j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * p));
-      const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), _mm256_mul_ps(d, ad), acc[r]);
+    q6k_finish(j, m0, mr, b, s, isum, acc);
+  }
+}
+
+/* Q6_K for one or two rows: each (half, step)'s ql and qh loads serve all four of its
+ * sub-blocks' values (the loop above loads qh four times and keeps one sub-block's sums
+ * a row; with so few rows it is bound by those loads and shifts, not by memory). The
+ * same exact integer sums: a row's result is bitwise the wide loop's. */
+static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j, int64_t m0, const int mr, int64_t g,
+                                                                   int s, const int8_t* const* qa, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
+  const uint8_t* sc8 = b + 1552;
+  __m256i isum[NARROW];
+#pragma GCC unroll 2
+  for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+  for (int h = 0; h < 2; h++) {
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+      __m256i sub[4][NARROW];  /* sub-blocks 8h + 2k + half, k = 0..3 */
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++)
+#pragma GCC unroll 2
+        for (int r = 0; r < mr; r++) sub[k][r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int q = 4 * half; q < 4 * half + 4; q++) {
+        const uint8_t* step = b + (h * 8 + q) * 96;  /* in address order */
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)step);
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(step + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(step + 64));
+        const __m256i w[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                          _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2))};
+#pragma GCC unroll 2
+        for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; k++)
+            sub[k][r] = dot4(sub[k][r], w[k], bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; k++) {
+        const __m256i sc = lanes_i8(sc8 + 8 * (8 * h + 2 * k + half));
+#pragma GCC unroll 2
+        for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[k][r], sc));
+      }
     }
   }
+  q6k_finish(j, m0, mr, b, s, isum, acc);
 }
 
 /* acc[r] = rows m0.. of A times group g's 8 columns */
@@ -306,6 +371,7 @@ static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0,
   }
   for (int s = 0; s < j->nsb; s++) {
     if (j->type == TYPE_Q4_K) q4k_block(j, m0, mr, g, s, qa, acc);
+    else if (mr <= NARROW) q6k_block_narrow(j, m0, mr, g, s, qa, acc);
     else q6k_block(j, m0, mr, g, s, qa, acc);
   }
 }
