@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include "ort_api.h"
+#include "vec_math.h"
 
 enum { QK = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14, GROUPS_PER_TASK = 16, ROWS_PER_TASK = 64 };
 /* rows a tile: a verify of up to MR rows reads and unpacks each weight once; 8 where
@@ -51,10 +52,10 @@ enum { MR = 8, NARROW = 2 };
 #define MR_8 0
 enum { MR = 4, NARROW = 1 };  /* (16 vector registers) */
 #endif
-/* bytes ahead in a task's stream, prefetched by tiles of more than NARROW rows only: a
- * verify's tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows
- * 11 -> 15 GB/s, at 8 rows 9 -> 14 with 2 KB ahead; 16 KB ahead did worse), while one
- * row, read in address order, streams fastest with none (this AMD EPYC, 2 threads) */
+/* bytes ahead in a task's stream, prefetched by tiles of two rows or more: a verify's
+ * tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows 11 ->
+ * 15 GB/s, at 8 rows 9 -> 14, 2 rows +5% with 2 KB ahead; 16 KB ahead did worse), while
+ * one row, read in address order, streams fastest with none (this AMD EPYC, 2 threads) */
 enum { PREFETCH = 2048 };
 
 typedef struct {
@@ -159,29 +160,9 @@ static inline void prefetch(const uint8_t* p, int bytes) {
   for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH + l, 0, 3);
 }
 
-/* exp(x) for x in [-87, 88] (clamped there), to about 2 ulp: 2^n e^r, |r| <= ln 2 / 2,
- * e^r by its Taylor polynomial to degree 7 (Horner, fused multiply-adds). Elementwise: a
- * row's values never depend on the call's width. */
-static inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  /* ln 2 in two parts: r exact to float */
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* silu(g) u = g u / (1 + e^-g) */
 static inline __m256 swiglu(__m256 g, __m256 u) {
-  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
   return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
@@ -203,7 +184,7 @@ static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_
   const __m256i low = _mm256_set1_epi8(15);
   {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q4K_GROUP;
-    if (mr > NARROW) prefetch(b, Q4K_GROUP);
+    if (mr > 1) prefetch(b, Q4K_GROUP);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -275,7 +256,7 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
   const __m256i low = _mm256_set1_epi8(15);
   {
     const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
-    prefetch(b, Q6K_GROUP);  /* (this loop runs for mr > NARROW only) */
+    prefetch(b, Q6K_GROUP);  /* (this loop runs for mr > NARROW: two rows or more) */
     const uint8_t* sc8 = b + 1552;
     __m256i isum[MR];
 #pragma GCC unroll 8
@@ -320,6 +301,7 @@ static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j,
                                                                    int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
   const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
+  if (mr > 1) prefetch(b, Q6K_GROUP);
   const uint8_t* sc8 = b + 1552;
   __m256i isum[NARROW];
 #pragma GCC unroll 2
