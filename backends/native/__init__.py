@@ -50,7 +50,7 @@ MATMUL_ENV = "HETERO_SD_NATIVE_MATMUL"
 MATMUL_POLICIES = ("auto", "always")
 DEFAULT = KERNELS  # with ENV unset
 HERE = Path(__file__).parent
-SOURCES = ("ort_api.h", "block_simd.h", "vec_math.h", "block_matmul.c", "gguf_matmul.c", "slab_attention.c", "register.c")
+SOURCES = ("ort_api.h", "block_simd.h", "vec_math.h", "gguf_blocks.h", "block_matmul.c", "gguf_matmul.c", "slab_attention.c", "register.c")
 # -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler
 # inlines them, so every copy of a loop rounds alike (the ops' row invariance)
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden")

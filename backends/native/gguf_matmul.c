@@ -40,35 +40,7 @@
 
 #include "ort_api.h"
 #include "vec_math.h"
-
-enum { QK = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14, GROUPS_PER_TASK = 16, ROWS_PER_TASK = 64 };
-/* rows a tile: a verify of up to MR rows reads and unpacks each weight once; 8 where
- * AVX-512 gives 32 vector registers (a 5-row verify of the 1.5B's Q4_K as 4 + 1 rows
- * cost 2.1x one row, measured; 8 a tile keeps three int32 sums a row in registers) */
-#if defined(__AVX512VL__)
-#define MR_8 1
-enum { MR = 8, NARROW = 2 };
-#else
-#define MR_8 0
-enum { MR = 4, NARROW = 1 };  /* (16 vector registers) */
-#endif
-/* bytes ahead in a task's stream, prefetched by tiles of two rows or more: a verify's
- * tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows 11 ->
- * 15 GB/s, at 8 rows 9 -> 14, 2 rows +5% with 2 KB ahead; 16 KB ahead did worse), while
- * one row, read in address order, streams fastest with none (this AMD EPYC, 2 threads) */
-enum { PREFETCH = 2048 };
-
-typedef struct {
-  const uint8_t* w;
-  const int8_t* qa;   /* [M, K] quantized activations */
-  const float* ad;    /* [M, K / 256] their scale per super-block */
-  const int16_t* bs;  /* [M, K / 16] sums of 16 quantized activations */
-  const int16_t* bs32;  /* [M, K / 32] sums of 32 */
-  const float* bias;   /* [N] or NULL */
-  float* y;
-  int64_t M, N, K;
-  int type, nsb, col_tasks, gated;
-} Job;
+#include "gguf_blocks.h"
 
 static inline int32_t hsum_i(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -108,62 +80,17 @@ static void quantize_task(void* arg, size_t m) {
                q->bs32 + m * (j->K / 32));
 }
 
-/* ---- tiles: mr rows against one group of 8 columns ------------------------------
- * The weights are 8 columns interleaved (gguf_pack.py): each int32 lane holds one
- * column's 4 consecutive values, so one dot product against 4 broadcast activations
- * serves 8 columns, a lane keeps its column from the first block to the output (no
- * horizontal sums), and the scales of 8 columns load as one vector. Every (row, column)
- * runs the same operations whatever mr is. */
-
-/* acc + the sums of 4 unsigned x signed byte products per int32 lane: exact either way */
-static inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, w, a);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, a);
-#else  /* (a 4-bit or 6-bit weight times an int8 leaves maddubs' int16 pairs unsaturated) */
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
-#endif
-}
-
-static inline __m256i bcast4(const void* a) { int32_t v; memcpy(&v, a, 4); return _mm256_set1_epi32(v); }
-
-/* acc + (p[2i] s[2i] + p[2i+1] s[2i+1]) per int32 lane, int16 pairs: exact either way */
-static inline __m256i dot2(__m256i acc, __m256i p, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, p, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, p, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
-#endif
-}
-
-/* the bytes of sub-blocks 2p and 2p + 1 of 8 columns ([sub-block][column] at p8) as one
- * int16 pair a lane, column by column */
-static inline __m256i pairs_u8(const uint8_t* p8) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)p8);
-  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
-}
-static inline __m256i pairs_i8(const uint8_t* p8) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)p8);
-  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
-}
-
-/* the 8 columns' byte-wide values of one sub-block, widened to int32 lanes */
-static inline __m256i lanes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-static inline __m256i lanes_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-
-/* (__builtin_prefetch: GCC 12 at -O2 dropped every _mm_prefetch of this file's inlined
- * loops as dead code: this op never prefetched before, whatever PREFETCH said) */
-static inline void prefetch(const uint8_t* p, int bytes) {
-  for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH + l, 0, 3);
-}
-
 /* silu(g) u = g u / (1 + e^-g) */
 static inline __m256 swiglu(__m256 g, __m256 u) {
   const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
   return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* group c's bias (a last group's padding columns 0) */
+static inline __m256 bias_of(const Job* j, int64_t c) {
+  float b[8] = {0};
+  memcpy(b, j->bias + c * 8, (size_t)(j->N - c * 8 < 8 ? j->N - c * 8 : 8) * sizeof(float));
+  return _mm256_loadu_ps(b);
 }
 
 static inline void store(const Job* j, int64_t m, int64_t n0, __m256 acc) {
@@ -172,175 +99,6 @@ static inline void store(const Job* j, int64_t m, int64_t n0, __m256 acc) {
   float t[8];  /* the last group's padding columns (zero blocks) are dropped */
   _mm256_storeu_ps(t, acc);
   memcpy(y, t, (size_t)(j->N - n0) * sizeof(float));
-}
-
-/* Q4_K, a group's super-block: d[8] fp16, dmin[8] fp16, scales[8 sub-blocks][8], mins[8][8],
- * then qs[4 (64 values)][8 (4 bytes)][8 columns][4]: low nibbles sub-block 2k, high 2k + 1 */
-enum { Q4K_GROUP = 16 + 16 + 64 + 64 + 1024, Q6K_GROUP = 1024 + 512 + 16 + 128 + 16 };
-
-/* super-block s of group g into the rows' accumulators */
-static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_t m0, const int mr, int64_t g,
-                                                            int s, const int8_t* const* qa, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
-  {
-    const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q4K_GROUP;
-    if (mr > 1) prefetch(b, Q4K_GROUP);
-    __m256i isum[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-      __m256i lo[MR], hi[MR];
-#pragma GCC unroll 8
-      for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int q = 0; q < 8; q++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 160 + (k * 8 + q) * 32));
-        const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-          const int8_t* a = qa[r] + s * QK + 64 * k + 4 * q;
-          lo[r] = dot4(lo[r], wl, bcast4(a));
-          hi[r] = dot4(hi[r], wh, bcast4(a + 32));
-        }
-      }
-      const __m256i sl = lanes_u8(b + 32 + 16 * k), sh = lanes_u8(b + 32 + 16 * k + 8);
-#pragma GCC unroll 8
-      for (int r = 0; r < mr; r++)
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], sl), _mm256_mullo_epi32(hi[r], sh)));
-    }
-    __m256i mp[4];  /* minimums of sub-blocks 2p, 2p + 1 */
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) mp[p] = pairs_u8(b + 96 + 16 * p);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) {
-      __m256i msum = _mm256_setzero_si256();  /* minimums x their sub-blocks' activation sums */
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; p++)
-        msum = dot2(msum, mp[p], bcast4(j->bs32 + (size_t)(m0 + r) * (j->K / 32) + s * 8 + 2 * p));
-      const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, ad), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[r]);
-    }
-  }
-}
-
-/* Q6_K's float part: q is stored plus 32, so less 32 x scale x each sub-block's
- * activation sum, then one product with d and the row's scale */
-static inline __attribute__((always_inline)) void q6k_finish(const Job* j, int64_t m0, const int mr, const uint8_t* b,
-                                                             int s, const __m256i* isum, __m256* acc) {
-  const uint8_t* sc8 = b + 1552;
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 1536)));
-#pragma GCC unroll 8
-  for (int r = 0; r < mr; r++) {
-    __m256i off = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; p++)
-      off = dot2(off, _mm256_slli_epi16(pairs_i8(sc8 + 16 * p), 5),
-                 bcast4(j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * p));
-    const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), _mm256_mul_ps(d, ad), acc[r]);
-  }
-}
-
-/* Q6_K, a group's super-block: [2 halves][8 steps](ql[0][8 columns][4] | ql[1][8][4] |
- * qh[8][4]), d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes of padding: 1696 bytes,
- * a multiple of 32, so no 32-byte load straddles two cache lines (at 1680, every other
- * block's did: it streamed at 15-22 GB/s). A step's three rows lie together: one row's
- * loop (q6k_block_narrow) reads a block in address order (with the file's ql, ql, qh
- * order it streamed at 19-21 GB/s, 27-29 in order, one row, 181 MB, this AMD EPYC) */
-static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_t m0, const int mr, int64_t g,
-                                                            int s, const int8_t* const* qa, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
-  {
-    const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
-    prefetch(b, Q6K_GROUP);  /* (this loop runs for mr > NARROW: two rows or more) */
-    const uint8_t* sc8 = b + 1552;
-    __m256i isum[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) {
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; k++) {  /* values 128h + 32k ..: sub-blocks 8h + 2k and 8h + 2k + 1 */
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
-          __m256i sub[MR];
-#pragma GCC unroll 8
-          for (int r = 0; r < mr; r++) sub[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-          for (int q = 4 * half; q < 4 * half + 4; q++) {
-            const __m256i l = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + (k & 1) * 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + 64));
-            const __m256i l4 = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), low);
-            const __m256i h2 = k == 0 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)
-                             : k == 1 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)
-                             : k == 2 ? _mm256_and_si256(hb, _mm256_set1_epi8(0x30))
-                                      : _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2);
-            const __m256i w = _mm256_or_si256(l4, h2);
-#pragma GCC unroll 8
-            for (int r = 0; r < mr; r++) sub[r] = dot4(sub[r], w, bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
-          }
-          const int sb = 8 * h + 2 * k + half;
-          const __m256i sc = lanes_i8(sc8 + 8 * sb);
-#pragma GCC unroll 8
-          for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[r], sc));
-        }
-      }
-    }
-    q6k_finish(j, m0, mr, b, s, isum, acc);
-  }
-}
-
-/* Q6_K for one or two rows: each (half, step)'s ql and qh loads serve all four of its
- * sub-blocks' values (the loop above loads qh four times and keeps one sub-block's sums
- * a row; with so few rows it is bound by those loads and shifts, not by memory). The
- * same exact integer sums: a row's result is bitwise the wide loop's. */
-static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j, int64_t m0, const int mr, int64_t g,
-                                                                   int s, const int8_t* const* qa, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
-  const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * Q6K_GROUP;
-  if (mr > 1) prefetch(b, Q6K_GROUP);
-  const uint8_t* sc8 = b + 1552;
-  __m256i isum[NARROW];
-#pragma GCC unroll 2
-  for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
-  for (int h = 0; h < 2; h++) {
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; half++) {
-      __m256i sub[4][NARROW];  /* sub-blocks 8h + 2k + half, k = 0..3 */
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; k++)
-#pragma GCC unroll 2
-        for (int r = 0; r < mr; r++) sub[k][r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int q = 4 * half; q < 4 * half + 4; q++) {
-        const uint8_t* step = b + (h * 8 + q) * 96;  /* in address order */
-        const __m256i l0 = _mm256_loadu_si256((const __m256i*)step);
-        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(step + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i*)(step + 64));
-        const __m256i w[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                          _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2))};
-#pragma GCC unroll 2
-        for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-          for (int k = 0; k < 4; k++)
-            sub[k][r] = dot4(sub[k][r], w[k], bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
-      }
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; k++) {
-        const __m256i sc = lanes_i8(sc8 + 8 * (8 * h + 2 * k + half));
-#pragma GCC unroll 2
-        for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[k][r], sc));
-      }
-    }
-  }
-  q6k_finish(j, m0, mr, b, s, isum, acc);
 }
 
 /* acc[r] = rows m0.. of A times group g's 8 columns */
@@ -370,9 +128,7 @@ static inline __attribute__((always_inline)) void out_tile(const Job* j, int64_t
   } else {
     tile(j, m0, mr, c, acc);
     if (j->bias) {
-      float b[8] = {0};
-      memcpy(b, j->bias + c * 8, (size_t)(j->N - c * 8 < 8 ? j->N - c * 8 : 8) * sizeof(float));
-      const __m256 bv = _mm256_loadu_ps(b);
+      const __m256 bv = bias_of(j, c);
 #pragma GCC unroll 8
       for (int r = 0; r < mr; r++) acc[r] = _mm256_add_ps(acc[r], bv);
     }
@@ -381,6 +137,25 @@ static inline __attribute__((always_inline)) void out_tile(const Job* j, int64_t
   for (int r = 0; r < mr; r++) store(j, m0 + r, c * 8, acc[r]);
 }
 
+/* rows m0 .. m1 - 1 of Y's column group c, MR rows a tile */
+static inline void rows(const Job* j, int64_t m0, int64_t m1, int64_t c) {
+  int64_t m = m0;
+  for (; m + MR <= m1; m += MR) out_tile(j, m, MR, c);
+  switch (m1 - m) {  /* (each width its own inlined copy, its loops unrolled) */
+#if MR_8
+    case 7: out_tile(j, m, 7, c); break;
+    case 6: out_tile(j, m, 6, c); break;
+    case 5: out_tile(j, m, 5, c); break;
+    case 4: out_tile(j, m, 4, c); break;
+#endif
+    case 3: out_tile(j, m, 3, c); break;
+    case 2: out_tile(j, m, 2, c); break;
+    case 1: out_tile(j, m, 1, c); break;
+    default: break;
+  }
+}
+
+
 /* a task: its groups of output columns one at a time, each against all its rows, MR at
  * a time, so a group's weights come from memory once and from the cache for the next rows */
 static void task(void* arg, size_t t) {
@@ -388,22 +163,7 @@ static void task(void* arg, size_t t) {
   const int64_t groups = (j->N + 7) / 8;  /* of Y's columns (gated: two of B's groups each) */
   const int64_t g0 = (int64_t)(t % j->col_tasks) * GROUPS_PER_TASK, g1 = g0 + GROUPS_PER_TASK < groups ? g0 + GROUPS_PER_TASK : groups;
   const int64_t m0 = (int64_t)(t / j->col_tasks) * ROWS_PER_TASK, m1 = m0 + ROWS_PER_TASK < j->M ? m0 + ROWS_PER_TASK : j->M;
-  for (int64_t g = g0; g < g1; g++) {
-    int64_t m = m0;
-    for (; m + MR <= m1; m += MR) out_tile(j, m, MR, g);
-    switch (m1 - m) {  /* (each width its own inlined copy, its loops unrolled) */
-#if MR_8
-      case 7: out_tile(j, m, 7, g); break;
-      case 6: out_tile(j, m, 6, g); break;
-      case 5: out_tile(j, m, 5, g); break;
-      case 4: out_tile(j, m, 4, g); break;
-#endif
-      case 3: out_tile(j, m, 3, g); break;
-      case 2: out_tile(j, m, 2, g); break;
-      case 1: out_tile(j, m, 1, g); break;
-      default: break;
-    }
-  }
+  for (int64_t g = g0; g < g1; g++) rows(j, m0, m1, g);
 }
 
 /* ---- the onnxruntime kernel ------------------------------------------------------ */
