@@ -29,12 +29,14 @@ import numpy as np
 from hetero_sd.ir import quant
 
 GROUP = 8  # columns a group
-BYTES = {"Q4_K": 1184, "Q6_K": 1696}  # a group's super-block
-FILE_BYTES = {"Q4_K": 144, "Q6_K": 210}  # a column's super-block in the file
+# a group's unit along K: a super-block of 256 values (K-quants), or two blocks of 32
+BYTES = {"Q4_K": 1184, "Q6_K": 1696, "Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q8_0": 544}
+UNIT = {kind: 256 if kind.endswith("_K") else 64 for kind in BYTES}  # values a unit
+FILE_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # a file block
 
 
 def pack(kind: str, raw: np.ndarray) -> np.ndarray:
-    """The file's bytes [N, K / 256 * bytes] -> [ceil(N / 8), K / 256, BYTES[kind]] uint8."""
+    """The file's bytes [N, K / block * bytes] -> [ceil(N / 8), K / UNIT[kind], BYTES[kind]] uint8."""
     if kind not in BYTES:
         raise ValueError(f"GGUFMatMul holds {', '.join(BYTES)}, not {kind}")
     n = raw.shape[0]
@@ -42,13 +44,17 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
     pad = -n % GROUP
     if pad:
         blocks = np.concatenate([blocks, np.zeros((pad, *blocks.shape[1:]), np.uint8)])
-    groups, nsb = blocks.shape[0] // GROUP, blocks.shape[1]
+    groups = blocks.shape[0] // GROUP
+    if UNIT[kind] == 64:
+        if blocks.shape[1] % 2:
+            raise ValueError(f"{kind}: a row of {blocks.shape[1] * 32} values is not a multiple of 64")
+        return _pack_blocks32(kind, blocks.reshape(groups, GROUP, -1, 2, FILE_BYTES[kind]))
+    nsb = blocks.shape[1]
     b = blocks.reshape(groups, GROUP, nsb, FILE_BYTES[kind])
 
     def minor(field: np.ndarray) -> np.ndarray:
         """[groups, 8 columns, nsb, *rest, unit] -> [groups, nsb, *rest, 8 columns, unit], flat."""
-        moved = np.moveaxis(field, 1, -2)
-        return moved.reshape(groups, nsb, -1)
+        return _minor(field, groups, nsb)
 
     if kind == "Q4_K":
         sc, mn = quant.k_scales(b[..., 4:16].reshape(-1, 12))
@@ -66,10 +72,47 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
     return out
 
 
+def _minor(field: np.ndarray, groups: int, units: int) -> np.ndarray:
+    """[groups, 8 columns, units, *rest, unit] -> [groups, units, *rest, 8 columns, unit], flat."""
+    return np.moveaxis(field, 1, -2).reshape(groups, units, -1)
+
+
+def _pack_blocks32(kind: str, b: np.ndarray) -> np.ndarray:
+    """[groups, 8 columns, units, 2 blocks, file bytes] -> [groups, units, BYTES[kind]]:
+    d[2][8] | m[2][8] (Q4_1, Q5_1) | qh[2][8][4] (Q5_0, Q5_1) | qs. qs, 4-bit types:
+    [2][4 steps][8][4], the file's 16 bytes a column in steps of 4 (low nibble value
+    4s + i, high 16 + 4s + i); Q8_0: [2][8 steps][8][4], each value plus 128 (unsigned
+    for the op's dot product). qh: bit b of byte i holds the fifth bit of value 4b + i
+    (b < 4) or 16 + 4(b - 4) + i, so a step's bits come out by one shift and mask."""
+    groups, units = b.shape[0], b.shape[2]
+    minor = lambda field: _minor(field, groups, units)  # noqa: E731
+    parts = [b[..., 0:2]]
+    at = 2
+    if kind in ("Q4_1", "Q5_1"):
+        parts.append(b[..., 2:4])
+        at = 4
+    if kind in ("Q5_0", "Q5_1"):
+        bits = np.unpackbits(b[..., at:at + 4], axis=-1, bitorder="little")  # [.., 32]: value j's fifth bit
+        j = np.arange(8)[:, None]  # b
+        i = np.arange(4)[None, :]
+        value = np.where(j < 4, 4 * j + i, 16 + 4 * (j - 4) + i)  # [8 bits, 4 bytes]
+        planes = bits[..., value]  # [.., 8 bits, 4 bytes]
+        parts.append(np.packbits(np.moveaxis(planes, -2, -1), axis=-1, bitorder="little")[..., 0])  # [.., 4 bytes]
+        at += 4
+    if kind == "Q8_0":
+        parts.append((b[..., at:at + 32] ^ np.uint8(0x80)).reshape(*b.shape[:4], 8, 4))
+    else:
+        parts.append(b[..., at:at + 16].reshape(*b.shape[:4], 4, 4))
+    # fields [groups, 8, units, 2, (steps,) bytes] -> [groups, units, 2, (steps,) 8, bytes], field by field
+    out = np.concatenate([minor(p) for p in parts], axis=-1)
+    assert out.shape[-1] == BYTES[kind]
+    return out
+
+
 def pack_gated(kind: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """An MLP's gate and up projections (the file's bytes, alike in shape) for GGUFMatMul's
     gated form: each group of 8 gate columns followed by the up group of the same
-    columns, [2 ceil(N / 8), K / 256, BYTES[kind]], so one task of the op holds both
+    columns, [2 ceil(N / 8), K / UNIT[kind], BYTES[kind]], so one task of the op holds both
     halves of its output columns (Y = silu(gate) * up, no [.., 2N] tensor between)."""
     g, u = pack(kind, gate), pack(kind, up)
     if g.shape != u.shape:

@@ -178,15 +178,11 @@ class Linears:
         del wt
         return self._matmul_nbits(x, packed, scales, None if symmetric else zero, k, n, bits, block)
 
-    def _matmul_nbits(self, x, packed, scales, zero_points, k, n, bits, block, offsets=None) -> str:
-        """offsets: per-block minimums (w = q * scale - offset), which only our BlockMatMul takes
-        (the caller checks it runs here)."""
+    def _matmul_nbits(self, x, packed, scales, zero_points, k, n, bits, block) -> str:
         b = self.b
         ins = [x, b.const(packed, "wq"), b.const(scales.reshape(-1), "ws")]
         if zero_points is not None:
             ins.append(b.const(zero_points, "wz"))
-        if offsets is not None:
-            ins += ["", b.const(np.ascontiguousarray(offsets, dtype=np.float32).reshape(-1), "wo")]
         if self.native and matmul_fits(k, bits, block):
             return b.op("BlockMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, bits=bits, block_size=block)
         return b.op("MatMulNBits", *ins, domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
@@ -261,11 +257,6 @@ class Linears:
         """The blocks as MatMulNBits' (or our BlockMatMul's) inputs."""
         n, k = blk.shape
         q = blk.q
-        if blk.offset is not None and self.native and blk.bits == 4 and matmul_fits(k, 4, blk.block):
-            # our BlockMatMul applies the minimum itself (its offsets input), with each
-            # block's activation sum: no side matmul (a third of SmolLM2's gguf step)
-            return self._matmul_nbits(x, _pack4(q).reshape(n, k // blk.block, -1), blk.scale, None, k, n, 4,
-                                      blk.block, offsets=blk.offset)
         zero_points = None
         if blk.offset is not None:  # the minimum goes to its own matmul: zero point 0 here
             zero_points = np.zeros((n, -(-(k // blk.block) * blk.bits // 8)), dtype=np.uint8)

@@ -117,12 +117,13 @@ def matmul_fits(k: int, bits: int, block: int) -> bool:
 
 
 # GGUF block types GGUFMatMul reads as the file stores them (gguf_matmul.c), by ggml's numbering
-GGUF_TYPES = {"Q4_K": 12, "Q6_K": 14}
+GGUF_TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
 
 
 def gguf_fits(kind: str | None, k: int) -> bool:
-    """Whether GGUFMatMul computes a weight of this GGUF type and row length."""
-    return kind in GGUF_TYPES and k % 256 == 0
+    """Whether GGUFMatMul computes a weight of this GGUF type and row length (K-quants'
+    super-blocks of 256; the 32-value types in pairs of blocks, 64 values)."""
+    return kind in GGUF_TYPES and k % (256 if kind.endswith("_K") else 64) == 0
 
 
 def kernels_on() -> tuple[str, ...]:

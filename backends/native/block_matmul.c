@@ -18,9 +18,8 @@
  * Inputs:  A [..., K] float, B [N, K / block, block * bits / 8] uint8 (MatMulNBits'
  *          packing: 4-bit even elements in the low nibble), scales [N * K / block]
  *          float, zero_points (optional) uint8 [N, ceil(K / block * bits / 8)]
- *          (default 8 for 4-bit, 128 for 8-bit), offsets (optional, 4-bit only, instead of
- *          zero points) float [N * K / block]: w = q * scale - offset, a GGUF block's minimum
- *          (Q4_1, Q4_K) applied with the block's activation sum, as a zero point is.
+ *          (default 8 for 4-bit, 128 for 8-bit). (A GGUF file's own blocks, minimums
+ *          included, go to GGUFMatMul: gguf_matmul.c.)
  * Output:  Y [..., N] float.
  * Attributes: K, N, bits (4 or 8), block_size (32, 64, 128 or 256); K % 64 == 0.
  */
@@ -46,7 +45,7 @@ enum { PREFETCH = 12288 };
 
 typedef struct {
   const uint8_t *w, *zp;
-  const float *s, *off;  /* scales; offsets (or NULL) */
+  const float* s;  /* scales */
   const int8_t* qa;   /* [M, qstride] */
   const float* dexp;  /* [M, steps, dlanes]: each lane's activation scale (one for all, where a step
                       * lies in one block) */
@@ -191,10 +190,6 @@ static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0,
       fvec sz[4];
 #pragma GCC unroll 4
       for (int c = 0; c < nc; c++) {
-        if (j->off) {  /* (4-bit, so zbase is 0: the dot product applied no zero point) */
-          sz[c] = floadn(j->off + (size_t)(n0 + c) * kb + b, n);
-          continue;
-        }
         const size_t at = (size_t)(n0 + c) * j->zstride + (bits == 4 ? b / 2 : b);
         const fvec z = j->zp ? zeros_of(j->zp + at, bits, n, at + 16 <= j->zbytes) : SET1(j->zdefault);
         sz[c] = MUL(floadn(j->s + (size_t)(n0 + c) * kb + b, n), SUB(z, SET1(j->zbase)));
@@ -264,8 +259,8 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   const OrtApi* api = kn->api;
   size_t count;
   TRY(api->KernelContext_GetInputCount(ctx, &count));
-  const OrtValue* in[5] = {NULL, NULL, NULL, NULL, NULL};
-  for (size_t i = 0; i < count && i < 5; i++) TRY(api->KernelContext_GetInput(ctx, i, &in[i]));
+  const OrtValue* in[4] = {NULL, NULL, NULL, NULL};
+  for (size_t i = 0; i < count && i < 4; i++) TRY(api->KernelContext_GetInput(ctx, i, &in[i]));
   int64_t ad[4], bd[4];
   size_t na, nb;
   TRY(dims(api, in[0], ad, &na));
@@ -276,20 +271,11 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   int64_t M = 1, yd[4];
   for (size_t i = 0; i + 1 < na; i++) { M *= ad[i]; yd[i] = ad[i]; }
   yd[na - 1] = N;
-  void *pa, *pb, *ps, *pz = NULL, *po = NULL;
+  void *pa, *pb, *ps, *pz = NULL;
   TRY(api->GetTensorMutableData((OrtValue*)in[0], &pa));
   TRY(api->GetTensorMutableData((OrtValue*)in[1], &pb));
   TRY(api->GetTensorMutableData((OrtValue*)in[2], &ps));
   if (in[3]) TRY(api->GetTensorMutableData((OrtValue*)in[3], &pz));
-  if (in[4]) {
-    int64_t od[4], total = 1;
-    size_t no;
-    TRY(dims(api, in[4], od, &no));
-    for (size_t i = 0; i < no; i++) total *= od[i];
-    if (kn->bits != 4 || in[3] || total != N * kb)
-      return api->CreateStatus(ORT_INVALID_ARGUMENT, "BlockMatMul: offsets [N * K / block], 4-bit, without zero points");
-    TRY(api->GetTensorMutableData((OrtValue*)in[4], &po));
-  }
   {
     int64_t sd[4], total = 1;
     size_t ns;
@@ -311,7 +297,7 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   void* py;
   TRY(api->GetTensorMutableData(out, &py));
   if (M == 0) return NULL;
-  Job j = {.w = (const uint8_t*)pb, .zp = (const uint8_t*)pz, .s = (const float*)ps, .off = (const float*)po,
+  Job j = {.w = (const uint8_t*)pb, .zp = (const uint8_t*)pz, .s = (const float*)ps,
            .y = (float*)py,
            .M = M, .N = N, .K = K, .B = (int)B, .bits = (int)kn->bits, .kb = (int)kb};
   j.S = j.bits == 4 ? 8 * VL : 4 * VL;
@@ -324,7 +310,7 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   j.col_tasks = (int)((N + COLS_PER_TASK - 1) / COLS_PER_TASK);
   j.zdefault = j.bits == 4 ? 8.0f : 128.0f;
   j.zbase = !WIDE && j.bits == 8 ? 128.0f : 0.0f;
-  j.zcorr = pz || po || j.zdefault != j.zbase;
+  j.zcorr = pz || j.zdefault != j.zbase;
   for (int l = 0; l < VL; l++) {
     const int e = lane_elem(j.bits, l);
     j.rel_main[l] = j.S > j.B ? e / j.B : 0;
@@ -362,10 +348,10 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
 }
 
 static const char* name(const OrtCustomOp* op) { (void)op; return "BlockMatMul"; }
-static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 || i == 2 || i == 4 ? T_FLOAT : T_UINT8; }
-static size_t inputs(const OrtCustomOp* op) { (void)op; return 5; }
+static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 || i == 2 ? T_FLOAT : T_UINT8; }
+static size_t inputs(const OrtCustomOp* op) { (void)op; return 4; }
 static size_t outputs(const OrtCustomOp* op) { (void)op; return 1; }
-static int in_kind(const OrtCustomOp* op, size_t i) { (void)op; return i >= 3 ? 1 : 0; }  /* zero points, offsets optional */
+static int in_kind(const OrtCustomOp* op, size_t i) { (void)op; return i >= 3 ? 1 : 0; }  /* zero points optional */
 
 OrtCustomOp block_matmul_op = {
   .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_cpu,

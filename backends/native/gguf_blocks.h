@@ -8,6 +8,8 @@
 #include <immintrin.h>
 
 enum { QK = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14, GROUPS_PER_TASK = 16, ROWS_PER_TASK = 64 };
+/* the 32-value block types (ggml's numbering), read in units of two blocks (QU values) */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, QB = 32, QU = 64 };
 /* rows a tile: a verify of up to MR rows reads and unpacks each weight once; 8 where
  * AVX-512 gives 32 vector registers (a 5-row verify of the 1.5B's Q4_K as 4 + 1 rows
  * cost 2.1x one row, measured; 8 a tile keeps three int32 sums a row in registers) */
@@ -20,20 +22,23 @@ enum { MR = 4, NARROW = 1 };  /* (16 vector registers) */
 #endif
 /* bytes ahead in a task's stream, prefetched by tiles of two rows or more: a verify's
  * tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows 11 ->
- * 15 GB/s, at 8 rows 9 -> 14, 2 rows +5% with 2 KB ahead; 16 KB ahead did worse), while
- * one row, read in address order, streams fastest with none (this AMD EPYC, 2 threads) */
-enum { PREFETCH = 2048 };
+ * 15 GB/s, at 8 rows 9 -> 14, 2 rows +5% with 2 KB ahead; 4 KB ahead 4-6% faster again
+ * at 2 and 5 rows, 8 KB level, 16 KB worse), while a K-quant row, read in address order,
+ * streams fastest with none; the 32-value types' one row is prefetched too (their short
+ * units: the 0.5B's Q5_0 layers 42 -> 50 GB/s) (this AMD EPYC, 2 threads) */
+enum { PREFETCH = 4096 };
 
 typedef struct {
   const uint8_t* w;
   const int8_t* qa;   /* [M, K] quantized activations */
-  const float* ad;    /* [M, K / 256] their scale per super-block */
+  const float* ad;    /* [M, K / 256] their scale per super-block ([M, K / 32] per block: 32-value types) */
   const int16_t* bs;  /* [M, K / 16] sums of 16 quantized activations */
   const int16_t* bs32;  /* [M, K / 32] sums of 32 */
   const float* bias;   /* [N] or NULL */
   float* y;
   int64_t M, N, K;
   int type, nsb, col_tasks, gated;
+  int nab;  /* activation blocks a row: K / 256, or K / 32 for the 32-value types */
 } Job;
 
 /* ---- tiles: mr rows against one group of 8 columns ------------------------------
@@ -257,6 +262,81 @@ static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j,
     }
   }
   q6k_finish(j, m0, mr, b, s, isum, acc);
+}
+
+/* ---- the 32-value block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ---------------------
+ * A group's unit of two blocks (gguf_pack.py): d[2][8] fp16, m[2][8] fp16 (Q4_1, Q5_1),
+ * qh[2][8 columns][4] (Q5_0, Q5_1: bit b of byte i is the fifth bit of value 4b + i for
+ * b < 4, of value 16 + 4(b - 4) + i above), then qs: 4-bit types [2][4 steps][8][4] (a
+ * byte's low nibble value 4s + i, its high one 16 + 4s + i, as in the file), Q8_0
+ * [2][8 steps][8][4] stored plus 128. Every value is then unsigned (u), w = d (u - zero)
+ * or d u + m: a block's exact integer sum u.a less zero x its activation sum, times d
+ * and the row's block scale; a minimum adds m x (the row's scale x its sum). */
+static inline int legacy_zero(int type) {
+  return type == TYPE_Q8_0 ? 128 : type == TYPE_Q5_0 ? 16 : type == TYPE_Q4_0 ? 8 : 0;
+}
+static inline int legacy_min(int type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
+static inline int legacy_high(int type) { return type == TYPE_Q5_0 || type == TYPE_Q5_1; }
+static inline int legacy_bytes(int type) {
+  return 32 + 32 * legacy_min(type) + 64 * legacy_high(type) + (type == TYPE_Q8_0 ? 512 : 256);
+}
+
+/* unit u of group g into the rows' accumulators; type a constant where inlined */
+static inline __attribute__((always_inline)) void legacy_unit(const Job* j, int64_t m0, const int mr, int64_t g,
+                                                              int u, const int8_t* const* qa, __m256* acc,
+                                                              const int type) {
+  const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(0x10);
+  const int bytes = legacy_bytes(type), zero = legacy_zero(type);
+  const uint8_t* b = block_at(j, g, u, bytes, 2);  /* (prefetched at one row too: PREFETCH) */
+  const uint8_t* qh = b + 32 + 32 * legacy_min(type);
+  const uint8_t* qs = qh + 64 * legacy_high(type);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; h++) {  /* the unit's two blocks */
+    __m256i s0[MR], s1[MR];  /* two chains a row (integer sums: their order is free) */
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+    if (type == TYPE_Q8_0) {
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; q++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + h * 256 + q * 32));
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+          const __m256i a = bcast4(qa[r] + u * QU + h * QB + 4 * q);
+          if (q & 1) s1[r] = dot4(s1[r], w, a);
+          else s0[r] = dot4(s0[r], w, a);
+        }
+      }
+    } else {
+      const __m256i hb = legacy_high(type) ? _mm256_loadu_si256((const __m256i*)(qh + h * 32)) : low;
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; q++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + h * 128 + q * 32));
+        __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (legacy_high(type)) {  /* (16-bit shifts: what crosses a byte lands below bit 4) */
+          wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - q), bit4));
+          wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_srli_epi16(hb, q), bit4));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+          const int8_t* a = qa[r] + u * QU + h * QB + 4 * q;
+          s0[r] = dot4(s0[r], wl, bcast4(a));
+          s1[r] = dot4(s1[r], wh, bcast4(a + 16));
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * h)));
+    const __m256 m = legacy_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * h))) : d;
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+      const size_t blk = (size_t)(m0 + r) * j->nab + 2 * u + h;
+      const float ad = j->ad[blk];
+      const int sum = j->bs32[blk];
+      __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
+      if (zero) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero * sum));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[r]);
+      if (legacy_min(type)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ad * (float)sum), acc[r]);
+    }
+  }
 }
 
 #endif

@@ -71,11 +71,39 @@ static void quantize_row(const Job* j, const float* a, int8_t* q, float* ad, int
   }
 }
 
+/* the 32-value types' rows: int8 per block of 32 (llama.cpp's Q8_0 activations), each
+ * block's scale and sum */
+static void quantize_row32(const Job* j, const float* a, int8_t* q, float* ad, int16_t* bs32) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int b = 0; b < j->nab; b++, a += QB, q += QB) {
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < QB; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f;
+    ad[b] = d;
+    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    int sum = 0;
+    for (int i = 0; i < QB; i += 16) {
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i), inv));
+      const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i + 8), inv));
+      sum += hsum_i(_mm256_add_epi32(q0, q1));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  /* in order */
+      _mm_storeu_si128((__m128i*)(q + i), _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+    }
+    bs32[b] = (int16_t)sum;
+  }
+}
+
 typedef struct { const Job* j; const float* a; int8_t* qa; float* ad; int16_t *bs, *bs32; } Quant;
 
 static void quantize_task(void* arg, size_t m) {
   const Quant* q = (const Quant*)arg;
   const Job* j = q->j;
+  if (j->nab != j->nsb) {
+    quantize_row32(j, q->a + m * j->K, q->qa + m * j->K, q->ad + m * j->nab, q->bs32 + m * (j->K / 32));
+    return;
+  }
   quantize_row(j, q->a + m * j->K, q->qa + m * j->K, q->ad + m * j->nsb, q->bs + m * (j->K / 16),
                q->bs32 + m * (j->K / 32));
 }
@@ -109,10 +137,19 @@ static inline __attribute__((always_inline)) void tile(const Job* j, int64_t m0,
     acc[r] = _mm256_setzero_ps();
     qa[r] = j->qa + (size_t)(m0 + r) * j->K;
   }
-  for (int s = 0; s < j->nsb; s++) {
-    if (j->type == TYPE_Q4_K) q4k_block(j, m0, mr, g, s, qa, acc);
-    else if (mr <= NARROW) q6k_block_narrow(j, m0, mr, g, s, qa, acc);
-    else q6k_block(j, m0, mr, g, s, qa, acc);
+  switch (j->type) {  /* (each type its own inlined loop) */
+    case TYPE_Q4_K: for (int s = 0; s < j->nsb; s++) q4k_block(j, m0, mr, g, s, qa, acc); break;
+    case TYPE_Q6_K:
+      for (int s = 0; s < j->nsb; s++) {
+        if (mr <= NARROW) q6k_block_narrow(j, m0, mr, g, s, qa, acc);
+        else q6k_block(j, m0, mr, g, s, qa, acc);
+      }
+      break;
+    case TYPE_Q4_0: for (int u = 0; u < j->nsb; u++) legacy_unit(j, m0, mr, g, u, qa, acc, TYPE_Q4_0); break;
+    case TYPE_Q4_1: for (int u = 0; u < j->nsb; u++) legacy_unit(j, m0, mr, g, u, qa, acc, TYPE_Q4_1); break;
+    case TYPE_Q5_0: for (int u = 0; u < j->nsb; u++) legacy_unit(j, m0, mr, g, u, qa, acc, TYPE_Q5_0); break;
+    case TYPE_Q5_1: for (int u = 0; u < j->nsb; u++) legacy_unit(j, m0, mr, g, u, qa, acc, TYPE_Q5_1); break;
+    default: for (int u = 0; u < j->nsb; u++) legacy_unit(j, m0, mr, g, u, qa, acc, TYPE_Q8_0); break;
   }
 }
 
@@ -170,7 +207,14 @@ static void task(void* arg, size_t t) {
 
 typedef struct { const OrtApi* api; int64_t K, N, type, gated; } Kernel;
 
-static int64_t group_bytes(int64_t type) { return type == TYPE_Q4_K ? Q4K_GROUP : Q6K_GROUP; }
+static int kquant(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+
+/* B's units along K: super-blocks of 256, or two blocks of 32 (QU) */
+static int64_t unit_values(int64_t type) { return kquant(type) ? QK : QU; }
+
+static int64_t group_bytes(int64_t type) {
+  return type == TYPE_Q4_K ? Q4K_GROUP : type == TYPE_Q6_K ? Q6K_GROUP : legacy_bytes((int)type);
+}
 
 static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   const Kernel* kn = (const Kernel*)self;
@@ -186,11 +230,11 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   TRY(dims(api, in_a, ad, &na));
   TRY(dims(api, in_b, bd, &nb));
   const int64_t K = kn->K, N = kn->N;
-  if (na < 1 || ad[na - 1] != K || nb != 3 || bd[0] != (kn->gated ? 2 : 1) * ((N + 7) / 8) || bd[1] != K / QK
-      || bd[2] != group_bytes(kn->type))
+  if (na < 1 || ad[na - 1] != K || nb != 3 || bd[0] != (kn->gated ? 2 : 1) * ((N + 7) / 8)
+      || bd[1] != K / unit_values(kn->type) || bd[2] != group_bytes(kn->type))
     return api->CreateStatus(ORT_INVALID_ARGUMENT, kn->gated
-                             ? "GGUFMatMul: A [..., K], B [2 ceil(N / 8), K / 256, bytes a group's super-block] (gated)"
-                             : "GGUFMatMul: A [..., K], B [ceil(N / 8), K / 256, bytes a group's super-block]");
+                             ? "GGUFMatMul: A [..., K], B [2 ceil(N / 8), K / (256 or 64), bytes a group's unit] (gated)"
+                             : "GGUFMatMul: A [..., K], B [ceil(N / 8), K / (256 or 64), bytes a group's unit]");
   void* pbias = NULL;
   if (in_bias) {
     int64_t cd[4];
@@ -210,10 +254,12 @@ static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   TRY(api->KernelContext_GetOutput(ctx, 0, yd, na, &out));
   TRY(api->GetTensorMutableData(out, &py));
   if (M == 0) return NULL;
+  /* nsb: B's units a row (super-blocks, or pairs of 32-value blocks); nab: activation blocks */
   Job j = {.w = (const uint8_t*)pb, .bias = (const float*)pbias, .y = (float*)py, .M = M, .N = N, .K = K,
-           .type = (int)kn->type, .nsb = (int)(K / QK), .gated = (int)kn->gated};
+           .type = (int)kn->type, .nsb = (int)(K / unit_values(kn->type)), .gated = (int)kn->gated,
+           .nab = (int)(kquant(kn->type) ? K / QK : K / QB)};
   j.col_tasks = (int)(((N + 7) / 8 + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK);
-  const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63, fbytes = ((size_t)M * j.nsb * 4 + 63) & ~(size_t)63;
+  const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63, fbytes = ((size_t)M * j.nab * 4 + 63) & ~(size_t)63;
   int8_t* qa = (int8_t*)matmul_scratch(qbytes + fbytes + (size_t)M * (K / 16 + K / 32) * 2);
   if (!qa) return api->CreateStatus(ORT_FAIL, "GGUFMatMul: out of memory for the quantized rows");
   j.qa = qa;
@@ -236,8 +282,11 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
     OrtStatus* none = api->KernelInfoGetAttribute_int64(info, "gated", &k->gated);
     if (none) { api->ReleaseStatus(none); k->gated = 0; }  /* (optional: default 0) */
   }
-  if (!st && ((k->type != TYPE_Q4_K && k->type != TYPE_Q6_K) || k->K <= 0 || k->K % QK || k->N <= 0))
-    st = api->CreateStatus(ORT_INVALID_ARGUMENT, "GGUFMatMul: type 12 (Q4_K) or 14 (Q6_K), K a multiple of 256");
+  const int known = kquant(k->type) || k->type == TYPE_Q4_0 || k->type == TYPE_Q4_1 || k->type == TYPE_Q5_0
+                    || k->type == TYPE_Q5_1 || k->type == TYPE_Q8_0;
+  if (!st && (!known || k->K <= 0 || k->K % unit_values(k->type) || k->N <= 0))
+    st = api->CreateStatus(ORT_INVALID_ARGUMENT, "GGUFMatMul: type 12 (Q4_K) or 14 (Q6_K) with K a multiple of 256, "
+                                                 "or 2, 3, 6, 7, 8 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with K a multiple of 64");
   if (st) { free(k); return st; }
   *out = k;
   return NULL;

@@ -1,11 +1,13 @@
-"""GGUFMatMul (backends/native/gguf_matmul.c): a matmul on a GGUF file's own Q4_K / Q6_K
-super-blocks, against a float64 reference of its numerics (int8 activations per 256
-values, exact integer sums); a row rounds alike alone and inside any call; its two
+"""GGUFMatMul (backends/native/gguf_matmul.c): a matmul on a GGUF file's own blocks
+(Q4_K / Q6_K super-blocks; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks of 32), against a float64
+reference of its numerics (int8 activations per 256 values, per 32 for the 32-value
+types, exact integer sums); a row rounds alike alone and inside any call; its two
 builds (AVX-512 VNNI's 16-bit dot product, AVX2's) agree bit for bit; the precision
-`gguf` graph puts it on every K-quant linear layer (tests/backends/test_native_matmul.py
+`gguf` graph puts it on every such linear layer (tests/backends/test_native_matmul.py
 covers BlockMatMul, the same graphs' other op)."""
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import onnx
 import pytest
@@ -21,25 +23,33 @@ from helpers.tiny_models import random_prompt
 REGISTRY = discover()
 
 
+KQUANTS = ("Q4_K", "Q6_K")
+BLOCKS32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# where each type keeps its fp16 fields (d, and a minimum's): random bytes there stay finite
+HALVES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
+
+
 def _raw(rng, kind, n, k, noise=False):
-    """[n, k / 256 * bytes] super-blocks: encoded from gaussian weights, or (noise) random
-    bytes with every scale field finite (extreme codes, negative Q6_K scales)."""
+    """[n, k / block * bytes] blocks: encoded from gaussian weights, or (noise) random
+    bytes with every scale field finite (extreme codes, negative Q6_K scales and
+    Q4_1 / Q5_1 minimums of either sign)."""
     if not noise:
-        return encode(kind, (rng.standard_normal((n, k)) * 0.05).astype(np.float32))
-    size = 144 if kind == "Q4_K" else 210
-    raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
-    halves = lambda scale: np.frombuffer((rng.random(len(raw)) * scale).astype(np.float16).tobytes(),  # noqa: E731
-                                        np.uint8).reshape(-1, 2)
-    if kind == "Q4_K":
-        raw[:, 0:2], raw[:, 2:4] = halves(0.01), halves(0.01)
-    else:
-        raw[:, 208:210] = halves(0.001)
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        w[:, :7] += 0.1  # blocks off centre: a minimum of their own
+        return encode(kind, w)
+    per, size = quant.SUPPORTED[kind]
+    raw = rng.integers(0, 256, (n * k // per, size), dtype=np.uint8)
+    for at in HALVES[kind]:
+        scale = 0.001 if kind == "Q6_K" else 0.01
+        raw[:, at:at + 2] = ((rng.random(len(raw)) - (at > 0) * 0.5) * scale).astype(np.float16).view(np.uint8) \
+            .reshape(-1, 2)
     return raw.reshape(n, -1)
 
 
-def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None):
+def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None, type_id=None):
     """The op over the file's bytes `raw` (packed as the lowering packs them), or over
-    `packed` as given; with `bias`, or gated with `up` (then `raw` is the gate)."""
+    `packed` as given; with `bias`, or gated with `up` (then `raw` is the gate);
+    type_id: the op's type attribute, where not kind's."""
     import onnxruntime as ort
 
     if packed is None:
@@ -48,7 +58,7 @@ def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None):
     if bias is not None:
         inits.append(numpy_helper.from_array(bias, "bias"))
     node = helper.make_node("GGUFMatMul", ["A", "B"] + (["bias"] if bias is not None else []), ["Y"],
-                            domain=native.DOMAIN, K=k, N=n, type=native.GGUF_TYPES.get(kind, 2),
+                            domain=native.DOMAIN, K=k, N=n, type=type_id or native.GGUF_TYPES[kind],
                             **({"gated": 1} if up is not None else {}))
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
@@ -59,12 +69,13 @@ def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None):
     return ort.InferenceSession(model.SerializeToString(), opts)
 
 
-def _reference(a, w):
-    """The op's numerics in float64: each row quantized to int8 per 256 values (scale
-    amax / 127 and its float32 inverse, round half to even), against the file's weights
-    (gguf's own dequantization: exact in float32)."""
+def _reference(a, w, kind="Q4_K"):
+    """The op's numerics in float64: each row quantized to int8 per 256 values (per 32
+    for the 32-value types; scale amax / 127 and its float32 inverse, round half to
+    even), against the file's weights (gguf's own dequantization: exact in float32)."""
     m, k = a.shape
-    x = a.reshape(m, k // 256, 256)
+    block = 256 if kind in KQUANTS else 32
+    x = a.reshape(m, k // block, block)
     d = np.abs(x).max(-1) / np.float32(127)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = np.rint((x * inv[..., None]).astype(np.float32)).astype(np.float64)
@@ -72,7 +83,10 @@ def _reference(a, w):
 
 
 CASES = [("Q4_K", 256, 37, False), ("Q4_K", 1536, 33, True), ("Q4_K", 768, 64, False),
-         ("Q6_K", 256, 41, True), ("Q6_K", 1280, 35, False), ("Q6_K", 512, 3, False)]
+         ("Q6_K", 256, 41, True), ("Q6_K", 1280, 35, False), ("Q6_K", 512, 3, False),
+         ("Q4_0", 64, 9, True), ("Q4_0", 896, 24, False), ("Q4_1", 896, 37, False), ("Q4_1", 192, 8, True),
+         ("Q5_0", 896, 33, True), ("Q5_0", 320, 16, False), ("Q5_1", 320, 21, True), ("Q5_1", 576, 40, False),
+         ("Q8_0", 896, 41, True), ("Q8_0", 192, 5, False)]
 
 
 @needs_avx2
@@ -87,7 +101,7 @@ def test_the_op_matches_a_float64_reference(library, kind, k, n, noise):
         a[:, 5] *= 40  # an outlier, as hidden states have
         a[:, 300 % k:] += 0.5  # sub-blocks whose sums are far from zero: minimums and Q6_K's offset count
         got = sess.run(None, {"A": a})[0]
-        ref = _reference(a, w)
+        ref = _reference(a, w, kind)
         assert got.shape == (m, n)
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (m, np.abs(got - ref).max())
         assert np.abs(got - a @ w.T).max() <= 0.15 * np.abs(ref).max()  # int8 activations (an outlier): near the float product
@@ -98,7 +112,8 @@ def _silu(x):
 
 
 @needs_avx2
-@pytest.mark.parametrize("kind,k,n", [("Q4_K", 512, 29), ("Q6_K", 768, 16)])
+@pytest.mark.parametrize("kind,k,n", [("Q4_K", 512, 29), ("Q6_K", 768, 16), ("Q5_0", 896, 21), ("Q4_1", 128, 16),
+                                      ("Q8_0", 192, 11)])
 def test_the_bias_and_the_gated_form_match_the_reference(library, kind, k, n):
     """With a bias, Y = A W^T + bias; gated, silu(A G^T) * (A U^T) (an MLP's gate, up and
     activation in one op), against the float64 reference, large activations included
@@ -110,11 +125,11 @@ def test_the_bias_and_the_gated_form_match_the_reference(library, kind, k, n):
     biased, gated = _session(library, kind, k, n, raw, bias=bias), _session(library, kind, k, n, raw, up=up)
     for m in (1, 5, 9):
         a = rng.standard_normal((m, k)).astype(np.float32)
-        ref = _reference(a, w)
+        ref = _reference(a, w, kind)
         got = biased.run(None, {"A": a})[0]
         assert np.abs(got - (ref + bias)).max() <= 1e-5 * np.abs(ref + bias).max()
         for scale in (1, 400):  # (400: gate values past exp's range)
-            ref_g, ref_u = _reference(a * scale, w), _reference(a * scale, wu)
+            ref_g, ref_u = _reference(a * scale, w, kind), _reference(a * scale, wu, kind)
             want = _silu(ref_g) * ref_u
             got = gated.run(None, {"A": a * scale})[0]
             assert np.isfinite(got).all() and got.shape == (m, n)
@@ -122,7 +137,7 @@ def test_the_bias_and_the_gated_form_match_the_reference(library, kind, k, n):
 
 
 @needs_avx2
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", KQUANTS + BLOCKS32)
 def test_a_row_rounds_alike_alone_and_in_any_call(library, kind):
     """Bitwise: rows of one 16-row call against the same rows in calls of 1..16 rows at
     every offset, a 70-row call (a prefill: two row tasks) against its rows alone, and
@@ -149,7 +164,7 @@ def test_the_two_builds_agree_bit_for_bit(monkeypatch):
     monkeypatch.setenv(native.ENV, "matmul")
     rng = np.random.default_rng(3)
     a = rng.standard_normal((5, 512)).astype(np.float32)
-    for kind in ("Q4_K", "Q6_K"):
+    for kind in KQUANTS + BLOCKS32:
         raw, up = _raw(rng, kind, 29, 512, noise=True), _raw(rng, kind, 29, 512, noise=True)
         outs = []
         for flags in ("", "-mno-avx512f"):
@@ -169,14 +184,20 @@ def test_bad_shapes_and_types_are_clear_errors(library):
     packed = gguf_pack.pack("Q4_K", raw)
     with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[ceil\(N / 8\)"):  # Q6_K's groups are longer
         _session(library, "Q6_K", 256, 8, raw, packed=packed).run(None, {"A": np.zeros((2, 256), np.float32)})
-    with pytest.raises(Exception, match=r"GGUFMatMul: type 12 \(Q4_K\) or 14 \(Q6_K\)"):
-        _session(library, "Q8_0", 256, 8, raw, packed=packed)
+    with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[ceil\(N / 8\), K / \(256 or 64\)"):
+        _session(library, "Q8_0", 256, 8, raw, packed=packed).run(None, {"A": np.zeros((2, 256), np.float32)})
+    with pytest.raises(Exception, match=r"GGUFMatMul: type 12 \(Q4_K\) or 14 \(Q6_K\) with K a multiple of 256, or 2, 3"):
+        _session(library, "Q4_K", 256, 8, raw, packed=packed, type_id=13)  # Q5_K: not a type it reads
+    with pytest.raises(Exception, match=r"Q5_0, Q5_1, Q8_0\) with K a multiple of 64"):
+        _session(library, "Q8_0", 96, 8, raw, packed=np.zeros((1, 1, 544), np.uint8))
     with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[2 ceil\(N / 8\).*\(gated\)"):  # one half only
         _session(library, "Q4_K", 256, 8, raw, packed=packed, up=raw).run(None, {"A": np.zeros((2, 256), np.float32)})
     with pytest.raises(Exception, match=r"GGUFMatMul: bias \[N\]"):
         _session(library, "Q4_K", 256, 8, raw, bias=np.zeros(7, np.float32)).run(None, {"A": np.zeros((2, 256), np.float32)})
-    with pytest.raises(ValueError, match="GGUFMatMul holds Q4_K, Q6_K, not Q5_K"):
+    with pytest.raises(ValueError, match="GGUFMatMul holds Q4_K, Q6_K, Q4_0, .*, not Q5_K"):
         gguf_pack.pack("Q5_K", raw)
+    with pytest.raises(ValueError, match="Q8_0: a row of 96 values is not a multiple of 64"):
+        gguf_pack.pack("Q8_0", _raw(rng, "Q8_0", 8, 96))
     with pytest.raises(ValueError, match="gate and up differ in shape"):
         gguf_pack.pack_gated("Q4_K", raw, _raw(rng, "Q4_K", 8, 512))
 
@@ -184,39 +205,50 @@ def test_bad_shapes_and_types_are_clear_errors(library):
 def test_types_it_covers():
     assert native.gguf_fits("Q4_K", 1536) and native.gguf_fits("Q6_K", 8960)
     assert not native.gguf_fits("Q4_K", 128) and not native.gguf_fits("Q5_K", 256)
-    assert not native.gguf_fits("Q4_1", 256) and not native.gguf_fits(None, 256)
+    assert all(native.gguf_fits(kind, 896) for kind in BLOCKS32)  # blocks of 32, in pairs
+    assert not native.gguf_fits("Q8_0", 96) and not native.gguf_fits(None, 256)
 
 
 @needs_avx2
-def test_the_gguf_graph_runs_the_files_k_quants(tiny_gguf, monkeypatch):
-    """precision gguf over a Q4_K_M file with our matmuls on: every Q4_K / Q6_K layer is a
-    GGUFMatMul on the file's bytes (no side matmul for minimums), the rest as before
-    (Q8_0 where a row is not a multiple of 256); the logits are the file's model's, up to
-    int8 activations; a one-token decode equals the same rows of a verify."""
+@pytest.mark.parametrize("mix", ["Q4_K_M", "LEGACY"])
+def test_the_gguf_graph_runs_the_files_blocks(tiny_gguf, monkeypatch, mix):
+    """precision gguf with our matmuls on: over a Q4_K_M file every Q4_K / Q6_K layer, over
+    a file of every 32-value type (Q4_0 .. Q8_0, one per tensor) every layer, is a
+    GGUFMatMul on the file's bytes (no BlockMatMul, MatMulNBits or side matmul for
+    minimums); the logits are the file's model's, up to int8 activations; a one-token
+    decode equals the same rows of a verify."""
     from hetero_sd.backends import row_check
 
     monkeypatch.delenv(row_check.ENV, raising=False)
     monkeypatch.setenv(native.MATMUL_ENV, "always")
     monkeypatch.setenv(native.ENV, "matmul")
-    ir = load_model_ir(tiny_gguf("qwen2-wide", "Q4_K_M"))
+    path = tiny_gguf("qwen2-wide", mix)
+    ir = load_model_ir(path)
     ours = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20)
     assert "by our BlockMatMul" in ours.kernel_choice and ours.padding == "none"
     graph = onnx.load(str(ours._graph_path("inplace", True)), load_external_data=False).graph
-    kquants = [n for n in graph.node if n.op_type == "GGUFMatMul"]
-    types = {a.i for n in kquants for a in n.attribute if a.name == "type"}
-    assert types == {12, 14} and not any(n.op_type == "ReduceSum" for n in graph.node)
+    ops = [n for n in graph.node if n.op_type == "GGUFMatMul"]
+    types = {a.i for n in ops for a in n.attribute if a.name == "type"}
+    kinds = {v: kind for kind, v in native.GGUF_TYPES.items()}
+    if mix == "Q4_K_M":
+        assert {12, 14} <= types <= {12, 14, 8}  # (Q8_0 where a row is not a multiple of 256)
+    else:
+        assert len(types) >= 3 and types <= {native.GGUF_TYPES[kind] for kind in BLOCKS32}
+    assert not any(n.op_type in ("BlockMatMul", "MatMulNBits", "ReduceSum") for n in graph.node)
     inits = {t.name: t for t in graph.initializer}
-    for node in kquants:  # the file's super-blocks, 8 columns a group (gguf_pack.py); gated: two
+    for node in ops:  # the file's blocks, 8 columns a group (gguf_pack.py); gated: two
         attrs = {a.name: a.i for a in node.attribute}
-        kind = {12: "Q4_K", 14: "Q6_K"}[attrs["type"]]
+        kind = kinds[attrs["type"]]
         groups = (1 + attrs.get("gated", 0)) * -(-attrs["N"] // 8)
-        assert list(inits[node.input[1]].dims) == [groups, attrs["K"] // 256, gguf_pack.BYTES[kind]]
-    # every MLP's gate, up and silu as one gated op (no split or activation nodes); q/k/v's
-    # bias added by the op (no Add reads an initializer)
+        assert list(inits[node.input[1]].dims) == [groups, attrs["K"] // gguf_pack.UNIT[kind], gguf_pack.BYTES[kind]]
+    # an MLP whose gate and up share a type is one gated op (no split or activation nodes);
+    # q/k/v's bias added by the ops (no Add reads an initializer)
     layers = ir.config.num_layers
-    assert sum(any(a.name == "gated" and a.i for a in n.attribute) for n in kquants) == layers
-    assert not any(n.op_type in ("Split", "Sigmoid") for n in graph.node)
-    assert ir.config.attention_bias and sum(len(n.input) == 3 for n in kquants) >= layers
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    alike = sum(stored[f"blk.{i}.ffn_gate.weight"] == stored[f"blk.{i}.ffn_up.weight"] for i in range(layers))
+    assert sum(any(a.name == "gated" and a.i for a in n.attribute) for n in ops) == alike
+    assert alike == layers or mix == "LEGACY"
+    assert ir.config.attention_bias and sum(len(n.input) == 3 for n in ops) >= layers
     assert not [n.name for n in graph.node if n.op_type == "Add" and any(i in inits and len(inits[i].dims) for i in n.input)]
     prompt = random_prompt(20, seed=3)
     exact = REGISTRY.get("onnxruntime").load(ir, "cpu", "fp32", 1 << 20)  # the file's weights in float

@@ -29,7 +29,7 @@ def _weights(rng, k, n, bits, block, zero_points):
     return packed, scales, zp
 
 
-def _session(lib, k, n, bits, block, packed, scales, zp, threads=2, offsets=None):
+def _session(lib, k, n, bits, block, packed, scales, zp, threads=2):
     import onnxruntime as ort
 
     inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "S")]
@@ -37,9 +37,6 @@ def _session(lib, k, n, bits, block, packed, scales, zp, threads=2, offsets=None
     if zp is not None:
         inits.append(numpy_helper.from_array(zp, "Z"))
         ins.append("Z")
-    if offsets is not None:  # the fifth input (no zero points: "" skips the fourth)
-        inits.append(numpy_helper.from_array(offsets.reshape(-1), "O"))
-        ins += ([] if zp is not None else [""]) + ["O"]
     node = helper.make_node("BlockMatMul", ins, ["Y"], domain=native.DOMAIN, K=k, N=n, bits=bits, block_size=block)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", "N"])], inits)
@@ -50,16 +47,15 @@ def _session(lib, k, n, bits, block, packed, scales, zp, threads=2, offsets=None
     return ort.InferenceSession(model.SerializeToString(), opts)
 
 
-def _reference(a, packed, scales, zp, bits, block, offsets=None):
+def _reference(a, packed, scales, zp, bits, block):
     """The op's numerics in float64: each row's blocks quantized to int8 as the op does
     (scale amax / 127 and its float32 inverse, round half to even), the integer dot
-    products exact, the weights' zero points (8 or 128 where none is given), or (4-bit)
-    per-block offsets: w = q * scale - offset, the offset times the quantized block's sum."""
+    products exact, the weights' zero points (8 or 128 where none is given)."""
     n, kb, _ = packed.shape
     if bits == 4:
         q = np.stack([packed & 15, packed >> 4], -1).reshape(n, kb, block).astype(np.int64)
         z = np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, :kb] if zp is not None else \
-            np.full((n, kb), 0 if offsets is not None else 8)
+            np.full((n, kb), 8)
     else:
         q = packed.astype(np.int64)
         z = zp[:, :kb] if zp is not None else np.full((n, kb), 128)
@@ -69,11 +65,7 @@ def _reference(a, packed, scales, zp, bits, block, offsets=None):
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     qa = np.rint(blocks * inv[..., None]).astype(np.int64)  # [m, kb, block]
     dots = np.einsum("mkb,nkb->mnk", qa, w)  # exact
-    y = np.einsum("mnk,mk,nk->mn", dots.astype(np.float64), d.astype(np.float64), scales.astype(np.float64))
-    if offsets is None:
-        return y
-    sums = qa.sum(-1).astype(np.float64) * d.astype(np.float64)  # [m, kb]: each block's activation sum
-    return y - sums @ offsets.astype(np.float64).T
+    return np.einsum("mnk,mk,nk->mn", dots.astype(np.float64), d.astype(np.float64), scales.astype(np.float64))
 
 
 CASES = [  # K, N, bits, block, zero points: tails of 64 (576, 320), N past a task's 32 columns
@@ -95,29 +87,6 @@ def test_the_op_matches_a_float64_reference(library, k, n, bits, block, zp):
         ref = _reference(a, packed, scales, zps, bits, block)
         assert got.shape == (m, n)
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (m, np.abs(got - ref).max())
-
-
-@needs_avx2
-@pytest.mark.parametrize("k,n,block", [(576, 37, 32), (320, 45, 64), (512, 33, 256)])
-def test_offsets_take_a_blocks_minimum(library, k, n, block):
-    """4-bit blocks with float offsets (w = q * scale - offset: a GGUF Q4_1 / Q4_K block's
-    minimum) match the float64 reference, and a row rounds alike alone and in a verify."""
-    rng = np.random.default_rng(k + n)
-    packed, scales, _ = _weights(rng, k, n, 4, block, False)
-    offsets = (rng.standard_normal((n, k // block)) * 0.05).astype(np.float32)
-    sess = _session(library, k, n, 4, block, packed, scales, None, offsets=offsets)
-    a = rng.standard_normal((9, k)).astype(np.float32)
-    a[:, 3] += 2.0  # blocks whose activations do not sum to about zero: the offsets count
-    got = sess.run(None, {"A": a})[0]
-    ref = _reference(a, packed, scales, None, 4, block, offsets)
-    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
-    without = _reference(a, packed, scales, None, 4, block, offsets * 0)
-    assert np.abs(got - without).max() > 1e-2 * np.abs(ref).max()  # (the offsets moved the result)
-    for m in (1, 2, 5):
-        assert np.array_equal(sess.run(None, {"A": a[:m]})[0], got[:m])
-    zps = np.zeros((n, -(-(k // block) // 2)), np.uint8)
-    with pytest.raises(Exception, match="offsets .* without zero points"):
-        _session(library, k, n, 4, block, packed, scales, zps, offsets=offsets).run(None, {"A": a})
 
 
 @needs_avx2
@@ -297,40 +266,3 @@ def test_where_no_padding_makes_matmulnbits_exact_ours_runs(tiny_model_dir, monk
         REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
 
 
-@needs_avx2
-def test_gguf_minimums_fold_into_our_op(tiny_gguf, monkeypatch):
-    """precision gguf over Q4_1 blocks (a minimum per block; Q4_K goes to GGUFMatMul,
-    test_gguf_matmul.py): where BlockMatMul runs
-    (here: HETERO_SD_NATIVE_MATMUL=always) it takes the minimum itself (its offsets input)
-    instead of a side matmul; the logits agree with MatMulNBits' path (both quantize
-    activations per block to int8) and rows stay alike in any call."""
-    from hetero_sd.backends import row_check
-
-    monkeypatch.delenv(row_check.ENV, raising=False)
-    monkeypatch.setenv(native.MATMUL_ENV, "always")
-    monkeypatch.setenv(native.ENV, "matmul")
-    ir = load_model_ir(tiny_gguf("qwen2-wide", "LEGACY"))
-    ours = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20)
-    assert "by our BlockMatMul" in ours.kernel_choice
-    monkeypatch.setenv(native.ENV, "0")
-    theirs = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20)
-    assert "quantized matmuls by MatMulNBits" in theirs.kernel_choice
-
-    def nodes(native_matmul, op):
-        graph = onnx.load(str(ours._graph_path("inplace", native_matmul)), load_external_data=False).graph
-        return [n for n in graph.node if n.op_type == op]
-
-    folded = [n for n in nodes(True, "BlockMatMul") if len(n.input) == 5 and n.input[3] == ""]
-    # (8-bit containers with a minimum, Q5_1 / Q5_K, keep their side matmul)
-    assert folded and len(nodes(True, "ReduceSum")) == len(nodes(False, "ReduceSum")) - len(folded)
-    prompt = random_prompt(20, seed=3)
-    exact = REGISTRY.get("onnxruntime").load(ir, "cpu", "fp32", 1 << 20)  # the file's weights in float
-    ref = exact.forward(exact.allocate(32), prompt, 0, len(prompt))
-    for runner in (ours, theirs):  # each within test_gguf_precision's bound for int8 activations
-        got = runner.forward(runner.allocate(32), prompt, 0, len(prompt))
-        assert np.abs(got - ref).max() < 0.2 * ref.std()
-    seq = ours.allocate(32)
-    ours.forward(seq, prompt[:8], 0, 1)
-    one = np.stack([ours.forward(seq, [t], 8 + i, 1)[0] for i, t in enumerate(prompt[8:])])
-    ours.truncate(seq, 8)
-    assert np.array_equal(ours.forward(seq, prompt[8:], 8, len(prompt) - 8), one)
