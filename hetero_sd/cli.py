@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt",
                          description="Generate text; the default config runs SmolLM2-135M on the CPU "
-                                     "(onnxruntime, int4 weights) with suffix-decoding drafts and k: auto.")
+                                     "(onnxruntime, the file's own Q4_1 blocks) with suffix-decoding drafts and k: auto.")
     gen.add_argument("--config", help="YAML config (default: the packaged configs/cpu.yaml)")
     gen.add_argument("--prompt", help="the prompt (default: read stdin)")
     gen.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")

@@ -131,8 +131,11 @@ enum { ROWS = 4, MAXPAIRS = 64 * ROWS, IB = 32 };
 
 static void attend(void* arg, size_t task) {
   const Job* j = (const Job*)arg;
-  const int H = j->H, Hkv = j->Hkv, D = j->D, G = H / Hkv, g = (int)(task % Hkv);
-  const int64_t t0 = (int64_t)(task / Hkv) * ROWS;
+  /* a KV head's row blocks are consecutive tasks: onnxruntime hands each thread a run
+   * of tasks, so with two KV heads on two threads each takes one head's rows */
+  const int64_t blocks = (j->T + ROWS - 1) / ROWS;
+  const int H = j->H, Hkv = j->Hkv, D = j->D, G = H / Hkv, g = (int)(task / blocks);
+  const int64_t t0 = (int64_t)(task % blocks) * ROWS;
   const int rows = (int)(j->T - t0 < ROWS ? j->T - t0 : ROWS), P = rows * G;
   const int64_t nmax = j->past + t0 + rows, stride = (nmax + 7) & ~(int64_t)7;
   const float* K = j->k + ((size_t)g * j->R) * D;

@@ -35,7 +35,7 @@ def test_packaged_cpu_yaml_loads_into_typed_sections():
     assert isinstance(cfg.generation, GenerationConfig)
     assert isinstance(cfg.memory, MemoryConfig)
     assert (cfg.target.model, cfg.target.backend, cfg.target.device, cfg.target.precision) == (
-        "default", "onnxruntime", "cpu", "int4")
+        "default", "onnxruntime", "cpu", "gguf")
     d = cfg.drafter
     assert (d.kind, d.k, d.k_max) == ("suffix", "auto", 8)
     assert cfg.generation.max_new_tokens == 128
@@ -138,7 +138,7 @@ def test_dotted_override_of_the_packaged_default():
     assert cfg.generation.max_new_tokens == 7
     assert cfg.drafter.k == 3
     assert cfg.memory.kv_budget == 2**20
-    assert cfg.target.precision == "int4"  # the rest still comes from cpu.yaml
+    assert cfg.target.precision == "gguf"  # the rest still comes from cpu.yaml
 
 
 def test_dotted_override_creates_a_missing_section(tmp_path):

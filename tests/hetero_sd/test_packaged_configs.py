@@ -27,10 +27,14 @@ def test_loads(name):
 
 @pytest.fixture(scope="module")
 def foreign_draft(tmp_path_factory):
-    """A tiny draft of another tokenizer (for configs whose draft is another family's)."""
+    """A tiny draft of another tokenizer (for configs whose draft is another family's):
+    its HF folder and its GGUF of every 32-value block type (for a gguf draft)."""
+    from helpers.gguf_convert import make_gguf
     from helpers.tiny_models import make_hf_model
 
-    return make_hf_model(tmp_path_factory.mktemp("foreign") / "draft", "llama", seed=1, vocab_size=320)
+    root = tmp_path_factory.mktemp("foreign")
+    hf = make_hf_model(root / "draft", "llama", seed=1, vocab_size=320)
+    return {"hf": hf, "gguf": make_gguf(hf, root / "gguf" / "draft.gguf", "LEGACY")}
 
 
 def _big_model_overrides(name: str, tiny_gguf, foreign_draft) -> dict:
@@ -43,7 +47,8 @@ def _big_model_overrides(name: str, tiny_gguf, foreign_draft) -> dict:
     out = {"target.model": str(tiny_gguf("llama-wide" if name.startswith("llama") else "qwen2-wide", "Q4_K_M"))}
     if cfg.drafter.kind == "model" or (cfg.drafter.kind == "hybrid" and cfg.drafter.hybrid_with == "model"):
         same_family = cfg.drafter.model is None or cfg.drafter.model.startswith("qwen")
-        out["drafter.model"] = str(tiny_gguf("qwen2-wide", "LEGACY") if same_family else foreign_draft)
+        foreign = foreign_draft["gguf" if cfg.drafter.precision == "gguf" else "hf"]
+        out["drafter.model"] = str(tiny_gguf("qwen2-wide", "LEGACY") if same_family else foreign)
         if cfg.drafter.vocab:
             out["drafter.vocab"] = 200
     return out
