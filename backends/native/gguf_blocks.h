@@ -15,10 +15,12 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8
  * cost 2.1x one row, measured; 8 a tile keeps three int32 sums a row in registers) */
 #if defined(__AVX512VL__)
 #define MR_8 1
-enum { MR = 8, NARROW = 2 };
+/* (Q4_K's tiles stop at 6: at 8 its three sums a row spilled, an 8-row verify of the
+ * 1.5B's MLP layers 9.0 ms as 8 rows against 7.5 as 6 + 2; Q6_K's head was faster as 8) */
+enum { MR = 8, NARROW = 2, MR_Q4K = 6 };
 #else
 #define MR_8 0
-enum { MR = 4, NARROW = 1 };  /* (16 vector registers) */
+enum { MR = 4, NARROW = 1, MR_Q4K = 4 };  /* (16 vector registers) */
 #endif
 /* bytes ahead in a task's stream, prefetched by tiles of two rows or more: a verify's
  * tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows 11 ->

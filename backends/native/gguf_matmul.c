@@ -174,10 +174,13 @@ static inline __attribute__((always_inline)) void out_tile(const Job* j, int64_t
   for (int r = 0; r < mr; r++) store(j, m0 + r, c * 8, acc[r]);
 }
 
-/* rows m0 .. m1 - 1 of Y's column group c, MR rows a tile */
+/* rows m0 .. m1 - 1 of Y's column group c, MR rows a tile (Q4_K: MR_Q4K) */
 static inline void rows(const Job* j, int64_t m0, int64_t m1, int64_t c) {
   int64_t m = m0;
-  for (; m + MR <= m1; m += MR) out_tile(j, m, MR, c);
+  if (j->type == TYPE_Q4_K)
+    for (; m + MR_Q4K <= m1; m += MR_Q4K) out_tile(j, m, MR_Q4K, c);
+  else
+    for (; m + MR <= m1; m += MR) out_tile(j, m, MR, c);
   switch (m1 - m) {  /* (each width its own inlined copy, its loops unrolled) */
 #if MR_8
     case 7: out_tile(j, m, 7, c); break;
