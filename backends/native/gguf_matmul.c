@@ -48,50 +48,43 @@ static inline int32_t hsum_i(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-/* ---- activations: a row quantized to int8 per super-block (llama.cpp's Q8_K) ---- */
+/* ---- activations: a row quantized to int8 per super-block (llama.cpp's Q8_K) or per block of 32 (its Q8_0) ---- */
 
-static void quantize_row(const Job* j, const float* a, int8_t* q, float* ad, int16_t* bs, int16_t* bs32) {
+/* n values (a multiple of 16) as int8 at scale amax / 127, rounded half to even: the
+ * scale, and the sum of each 16 quantized values into s16 */
+static float quantize_block(const float* a, int n, int8_t* q, int16_t* s16) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f;
+  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  for (int i = 0; i < n; i += 16) {
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i), inv));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i + 8), inv));
+    s16[i / 16] = (int16_t)hsum_i(_mm256_add_epi32(q0, q1));
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  /* in order */
+    _mm_storeu_si128((__m128i*)(q + i), _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  }
+  return d;
+}
+
+/* a row per super-block (K-quants), its sums of 16 and of 32 */
+static void quantize_row(const Job* j, const float* a, int8_t* q, float* ad, int16_t* bs, int16_t* bs32) {
   for (int s = 0; s < j->nsb; s++, a += QK, q += QK, bs += QK / 16, bs32 += QK / 32) {
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < QK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f;
-    ad[s] = d;
-    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-    for (int i = 0; i < QK; i += 16) {
-      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i), inv));
-      const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i + 8), inv));
-      bs[i / 16] = (int16_t)hsum_i(_mm256_add_epi32(q0, q1));
-      if (i % 32) bs32[i / 32] = (int16_t)(bs[i / 16 - 1] + bs[i / 16]);
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  /* in order */
-      _mm_storeu_si128((__m128i*)(q + i), _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
-    }
+    ad[s] = quantize_block(a, QK, q, bs);
+    for (int i = 0; i < QK / 32; i++) bs32[i] = (int16_t)(bs[2 * i] + bs[2 * i + 1]);
   }
 }
 
-/* the 32-value types' rows: int8 per block of 32 (llama.cpp's Q8_0 activations), each
+/* the 32-value types' rows: per block of 32 (llama.cpp's Q8_0 activations), each
  * block's scale and sum */
 static void quantize_row32(const Job* j, const float* a, int8_t* q, float* ad, int16_t* bs32) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int b = 0; b < j->nab; b++, a += QB, q += QB) {
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < QB; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f;
-    ad[b] = d;
-    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-    int sum = 0;
-    for (int i = 0; i < QB; i += 16) {
-      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i), inv));
-      const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + i + 8), inv));
-      sum += hsum_i(_mm256_add_epi32(q0, q1));
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  /* in order */
-      _mm_storeu_si128((__m128i*)(q + i), _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
-    }
-    bs32[b] = (int16_t)sum;
+    int16_t s16[2];
+    ad[b] = quantize_block(a, QB, q, s16);
+    bs32[b] = (int16_t)(s16[0] + s16[1]);
   }
 }
 
