@@ -22,12 +22,12 @@ enum { MR = 8, NARROW = 2, MR_Q4K = 6 };
 #define MR_8 0
 enum { MR = 4, NARROW = 1, MR_Q4K = 4 };  /* (16 vector registers) */
 #endif
-/* bytes ahead in a task's stream, prefetched by tiles of two rows or more: a verify's
- * tiles are slow enough per byte to lose the hardware prefetcher (Q6_K at 5 rows 11 ->
- * 15 GB/s, at 8 rows 9 -> 14, 2 rows +5% with 2 KB ahead; 4 KB ahead 4-6% faster again
- * at 2 and 5 rows, 8 KB level, 16 KB worse), while a K-quant row, read in address order,
- * streams fastest with none; the 32-value types' one row is prefetched too (their short
- * units: the 0.5B's Q5_0 layers 42 -> 50 GB/s) (this AMD EPYC, 2 threads) */
+/* bytes ahead in a task's stream, prefetched at every width: a verify's tiles are slow
+ * enough per byte to lose the hardware prefetcher (Q6_K at 5 rows 11 -> 15 GB/s with
+ * 2 KB ahead, then 4-6% faster at 2 and 5 rows with 4 KB; 8 KB level, 16 KB worse), and
+ * with 4 KB one row streams faster too (the 1.5B's MLP layers 2.91 -> 2.69 ms, its head
+ * 7% faster; with 2 KB one row had been fastest with none; the 0.5B's short Q5_0 units
+ * 42 -> 50 GB/s) (this AMD EPYC, 2 threads, side by side) */
 enum { PREFETCH = 4096 };
 
 typedef struct {
@@ -95,10 +95,10 @@ static inline void prefetch(const uint8_t* p, int bytes) {
   for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH + l, 0, 3);
 }
 
-/* group g's super-block s, prefetched ahead for tiles of two rows or more (PREFETCH) */
-static inline const uint8_t* block_at(const Job* j, int64_t g, int s, int bytes, int mr) {
+/* group g's unit s (a super-block, or two 32-value blocks), PREFETCH bytes ahead fetched */
+static inline const uint8_t* block_at(const Job* j, int64_t g, int s, int bytes) {
   const uint8_t* b = j->w + ((size_t)g * j->nsb + s) * bytes;
-  if (mr > 1) prefetch(b, bytes);
+  prefetch(b, bytes);
   return b;
 }
 
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_
                                                             int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
   {
-    const uint8_t* b = block_at(j, g, s, Q4K_GROUP, mr);
+    const uint8_t* b = block_at(j, g, s, Q4K_GROUP);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -182,7 +182,7 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
                                                             int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
   {
-    const uint8_t *b = block_at(j, g, s, Q6K_GROUP, mr), *sc8 = b + 1552;
+    const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -225,7 +225,7 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
 static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j, int64_t m0, const int mr, int64_t g,
                                                                    int s, const int8_t* const* qa, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(15);
-  const uint8_t *b = block_at(j, g, s, Q6K_GROUP, mr), *sc8 = b + 1552;
+  const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
   __m256i isum[NARROW];
 #pragma GCC unroll 2
   for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
@@ -289,7 +289,7 @@ static inline __attribute__((always_inline)) void legacy_unit(const Job* j, int6
                                                               const int type) {
   const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(0x10);
   const int bytes = legacy_bytes(type), zero = legacy_zero(type);
-  const uint8_t* b = block_at(j, g, u, bytes, 2);  /* (prefetched at one row too: PREFETCH) */
+  const uint8_t* b = block_at(j, g, u, bytes);
   const uint8_t* qh = b + 32 + 32 * legacy_min(type);
   const uint8_t* qs = qh + 64 * legacy_high(type);
 #pragma GCC unroll 2
