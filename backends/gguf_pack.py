@@ -51,10 +51,7 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
         return _pack_blocks32(kind, blocks.reshape(groups, GROUP, -1, 2, FILE_BYTES[kind]))
     nsb = blocks.shape[1]
     b = blocks.reshape(groups, GROUP, nsb, FILE_BYTES[kind])
-
-    def minor(field: np.ndarray) -> np.ndarray:
-        """[groups, 8 columns, nsb, *rest, unit] -> [groups, nsb, *rest, 8 columns, unit], flat."""
-        return _minor(field, groups, nsb)
+    minor = lambda field: _minor(field, groups, nsb)  # noqa: E731
 
     if kind == "Q4_K":
         sc, mn = quant.k_scales(b[..., 4:16].reshape(-1, 12))

@@ -93,7 +93,7 @@ typedef struct { const Job* j; const float* a; int8_t* qa; float* ad; int16_t *b
 static void quantize_task(void* arg, size_t m) {
   const Quant* q = (const Quant*)arg;
   const Job* j = q->j;
-  if (j->nab != j->nsb) {
+  if (j->nab != j->nsb) {  /* the 32-value types: two activation blocks a unit */
     quantize_row32(j, q->a + m * j->K, q->qa + m * j->K, q->ad + m * j->nab, q->bs32 + m * (j->K / 32));
     return;
   }
