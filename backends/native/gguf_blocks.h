@@ -172,6 +172,17 @@ static inline __attribute__((always_inline)) void q6k_finish(const Job* j, int64
   }
 }
 
+/* a step's 6-bit values of sub-block pair k (0..3; stored plus 32) for 8 columns: ql's low
+ * (k < 2) or high nibbles of l (the step's ql row k & 1), with qh's bits 2k, 2k + 1 above */
+static inline __m256i q6k_values(__m256i l, __m256i hb, const int k) {
+  const __m256i l4 = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
+  const __m256i h2 = k == 0 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)
+                   : k == 1 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)
+                   : k == 2 ? _mm256_and_si256(hb, _mm256_set1_epi8(0x30))
+                            : _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2);
+  return _mm256_or_si256(l4, h2);
+}
+
 /* Q6_K, a group's super-block: [2 halves][8 steps](ql[0][8 columns][4] | ql[1][8][4] |
  * qh[8][4]), d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes of padding: 1696 bytes,
  * a multiple of 32, so no 32-byte load straddles two cache lines (at 1680, every other
@@ -180,7 +191,6 @@ static inline __attribute__((always_inline)) void q6k_finish(const Job* j, int64
  * order it streamed at 19-21 GB/s, 27-29 in order, one row, 181 MB, this AMD EPYC) */
 static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_t m0, const int mr, int64_t g,
                                                             int s, const int8_t* const* qa, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
   {
     const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
     __m256i isum[MR];
@@ -198,12 +208,7 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
           for (int q = 4 * half; q < 4 * half + 4; q++) {
             const __m256i l = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + (k & 1) * 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + 64));
-            const __m256i l4 = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), low);
-            const __m256i h2 = k == 0 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)
-                             : k == 1 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)
-                             : k == 2 ? _mm256_and_si256(hb, _mm256_set1_epi8(0x30))
-                                      : _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2);
-            const __m256i w = _mm256_or_si256(l4, h2);
+            const __m256i w = q6k_values(l, hb, k);
 #pragma GCC unroll 8
             for (int r = 0; r < mr; r++) sub[r] = dot4(sub[r], w, bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
           }
@@ -224,7 +229,6 @@ static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_
  * same exact integer sums: a row's result is bitwise the wide loop's. */
 static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j, int64_t m0, const int mr, int64_t g,
                                                                    int s, const int8_t* const* qa, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
   const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
   __m256i isum[NARROW];
 #pragma GCC unroll 2
@@ -243,12 +247,8 @@ static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j,
         const __m256i l0 = _mm256_loadu_si256((const __m256i*)step);
         const __m256i l1 = _mm256_loadu_si256((const __m256i*)(step + 32));
         const __m256i hb = _mm256_loadu_si256((const __m256i*)(step + 64));
-        const __m256i w[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                          _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2))};
+        const __m256i w[4] = {q6k_values(l0, hb, 0), q6k_values(l1, hb, 1), q6k_values(l0, hb, 2),
+                              q6k_values(l1, hb, 3)};
 #pragma GCC unroll 2
         for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
