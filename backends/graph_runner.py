@@ -79,13 +79,16 @@ class GraphRunner(PooledRunner):
         folder = self._row_check_folder(graph, runtime)
         self._padding = "none"  # the check pads the calls itself
         try:
-            verdict = settle(self, folder, f"{self._model.source.name} {self.device.backend}:{self.device.device} "
-                                           f"{self.precision.name}")
+            verdict = settle(self, folder, self._label())
         finally:
             self._padding = "pairs"
         self._padding = verdict.padding
         self._padding_note = verdict.describe()
         self.kernel_choice = self._padding_note
+
+    def _label(self) -> str:
+        """The model and placement, as cached checks and choices name them (hetero-sd devices)."""
+        return f"{self._model.source.name} {self.device.backend}:{self.device.device} {self.precision.name}"
 
     def _row_check_folder(self, graph: Path, runtime: str) -> Path:
         return cache_dir("row-check", self._model, check=CHECK_VERSION, host=host_signature(),

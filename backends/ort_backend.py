@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 
 from typing import Sequence
 
@@ -17,7 +18,9 @@ from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
 # native_fits from backends/native, not onnx_native: a warm start must not import onnx
 from hetero_sd.backends.native import MATMUL_ENV, kernel_available, library, matmul_policy, native_fits
-from hetero_sd.backends.row_check import NO_EXACT, padded
+from hetero_sd.backends.kernel_timing import CHOICE_VERSION, Choice, Timing, cached_choice, choose, time_runner, \
+    write_choice
+from hetero_sd.backends.row_check import ENV as ROW_ENV, NO_EXACT, host_signature, padded
 from hetero_sd.backends.ort_inplace import InPlaceGraph
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
@@ -54,9 +57,9 @@ class OrtBackend:
         desc = f"onnxruntime {ort.__version__}"
         # which ops the one-sequence graph runs (a model may still not fit them)
         native, why = kernel_available("matmul")
-        where = "" if matmul_policy() == "always" else " where MatMulNBits would pad (its row check)"
-        matmul = f"quantized matmul: our BlockMatMul{where}; precision gguf: ours always, K-quants by our GGUFMatMul" \
-            if native else \
+        where = " always" if matmul_policy() == "always" else \
+            " or MatMulNBits, the faster exact path on this host (timed at a model's first load)"
+        matmul = f"quantized matmul: our BlockMatMul (a GGUF's blocks: GGUFMatMul){where}" if native else \
             f"quantized matmul: MatMulNBits; BlockMatMul {why}"
         native, why = kernel_available("attention")
         attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
@@ -106,13 +109,13 @@ def session_options(threads: int, libraries=()):
 
 
 def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = "slab",
-                native_matmul: bool = False):
+                native_matmul: bool = False, build: bool = True):
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
     attention: "slab" (one sequence), "pool" (several per call, onnx_batch.py)
     "inplace" (onnxruntime's attention op on the slab, onnx_gqa.py) or "native" (our
     SlabAttention on the slab, onnx_native.py); native_matmul: quantized linear
-    layers by our BlockMatMul (backends/native)."""
+    layers by our BlockMatMul (backends/native); build=False: only its path, built or not."""
     from importlib.metadata import version
 
     import onnxruntime as ort
@@ -130,14 +133,14 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
                        onnx=version("onnx"), ort=ort.__version__, **extra)
 
-    def build(path):
+    def lower(path):
         if progress is not None:
             kind = {"pool": " (batched graph)", "inplace": " (in-place attention)",
                     "native": " (in-place SlabAttention)"}.get(attention, "")
             progress(0, 0, f"lowering to ONNX{kind}, {precision} weights (once; cached)")
         build_llama_onnx(model, precision, path, progress, attention=attention, native_matmul=native_matmul)
 
-    return cached(folder, "model.onnx", build)
+    return cached(folder, "model.onnx", lower) if build else folder / "model.onnx"
 
 
 def build_llama_onnx(*args, **kwargs):
@@ -168,6 +171,7 @@ class OrtRunner(GraphRunner):
         self._session = None
         self._progress = progress
         self._native_matmul = False  # BlockMatMul in the one-sequence graph (_one_sequence_graph)
+        self._open_native: bool | None = None  # the open graph's matmuls: ours, MatMulNBits', none open
         self._load(self._one_sequence_graph() if info.device == "cpu" and _inplace_tested() else "pool")
 
     def _one_sequence_graph(self) -> str:
@@ -188,64 +192,99 @@ class OrtRunner(GraphRunner):
         return "native" if fits else "inplace"
 
     def _load(self, attention: str) -> None:
-        """Open `attention`'s graph. In the one-sequence graph the quantized matmuls go to
-        our BlockMatMul only where MatMulNBits needs padded calls on this host (its row
-        check's verdict, cached after the first load, which then checks MatMulNBits'
-        graph first): BlockMatMul needs none, but where MatMulNBits is exact unpadded
-        its GEMMs are the faster (SmolLM2 int4, blocks of 32, on a 2-core AMD EPYC with
-        AVX-512: 0.96x llama-bench's decode with MatMulNBits, 0.85x with ours; the 1.5B,
-        whose blocks of 128 MatMulNBits pads there: 0.87x padded, 0.92-1.00x ours).
-        HETERO_SD_NATIVE_MATMUL=always runs BlockMatMul whatever MatMulNBits' verdict.
-        Precision gguf takes our ops wherever they build: GGUFMatMul computes on the
-        file's K-quant super-blocks at the file's bytes and BlockMatMul takes Q4_1's
-        minimums, with no side matmul (on a 2-core AMD EPYC, llama-bench's decode side
-        by side: the 1.5B, Q4_K_M, 0.89-0.95x against MatMulNBits' 0.56x; SmolLM2, Q4_1,
-        1.18x against 1.05x)."""
+        """Open `attention`'s graph. In the one-sequence graph the quantized matmuls run by
+        whichever exact path is the faster on this host, timed once and cached
+        (kernel_timing.py): our BlockMatMul (GGUFMatMul for precision gguf's blocks),
+        never padded, or MatMulNBits, padded as its row check says. MatMulNBits is timed
+        only where some padding makes it exact; where none does, ours runs (a load that
+        would fail without it). Measured on a 2-core AMD EPYC with AVX-512: SmolLM2 int4
+        (blocks of 32) ran faster by MatMulNBits unpadded (0.96x llama-bench's decode,
+        0.85x ours), the 1.5B int4 (blocks of 128, odd calls padded) by ours (0.92-1.00x
+        against 0.87x); precision gguf by ours (the 1.5B's Q4_K_M 0.89-0.95x against
+        MatMulNBits' 0.56x, whose Q4_K minimums need a side matmul).
+        HETERO_SD_NATIVE_MATMUL=always runs ours without timing (tests, experiments)."""
         one_sequence = attention in ("inplace", "native")
         if not (one_sequence and self._native_matmul):
             self._open_graph(attention, native_matmul=False)
             return
-        if matmul_policy() == "always" or self.precision.name == "gguf":
-            why = f"{MATMUL_ENV}=always" if matmul_policy() == "always" else \
-                "precision gguf: ours on the file's blocks"
-            self._kernel_note += f" ({why})"
+        if matmul_policy() == "always":
+            self._kernel_note += f" ({MATMUL_ENV}=always)"
             self._open_graph(attention, native_matmul=True)
             return
-        theirs = self._their_padding(attention)
-        if theirs == "none":
-            if self._session is None:
-                self._open_graph(attention, native_matmul=False, note=False)
-            self._kernel_note = self._kernel_note.replace(
-                ", quantized matmuls by our BlockMatMul",
-                ", quantized matmuls by MatMulNBits (exact unpadded on this host; BlockMatMul runs where it is not)")
-            self._note_graph()
+        ours = "GGUFMatMul" if self.precision.name == "gguf" else "BlockMatMul"
+        folder = self._choice_folder(attention)
+        choice = cached_choice(folder, (ours, "MatMulNBits"))
+        if choice is None:
+            theirs = self._their_padding(attention)
+            if theirs == NO_EXACT:
+                self._kernel_note += f" (MatMulNBits: {NO_EXACT} on this host)"
+                self._open_graph(attention, native_matmul=True)
+                return
+            choice = self._time_both(attention, ours, folder)
+        if choice.chosen == ours:
+            self._kernel_note += f" (the faster exact path, {choice.describe()})"
+            if self._open_native is not True:
+                self._open_graph(attention, native_matmul=True)
+            else:
+                self._note_graph()
             return
-        self._kernel_note += f" (MatMulNBits would pad: {theirs})"
-        self._open_graph(attention, native_matmul=True)
+        self._kernel_note = self._kernel_note.split(", quantized matmuls by")[0] + \
+            f", quantized matmuls by MatMulNBits (the faster exact path, {choice.describe()})"
+        if self._open_native is not False:
+            self._open_graph(attention, native_matmul=False)
+        else:
+            self._note_graph()
+
+    def _time_both(self, attention: str, ours: str, folder) -> Choice:
+        """Time MatMulNBits' graph (open: _their_padding checked it) and ours, one after the
+        other (one model's weights in memory at a time); cache the faster and delete the
+        slower's lowered graph (a large model's is gigabytes; a forced change rebuilds it)."""
+        if self._progress is not None:
+            self._progress(0, 0, f"timing MatMulNBits against our {ours} on this host (once; cached)")
+        if self._open_native is not False:
+            self._open_graph(attention, native_matmul=False, note=False)
+        timings = [Timing("MatMulNBits", *time_runner(self))]
+        self._close_session()
+        self._open_graph(attention, native_matmul=True, note=False)
+        timings.insert(0, Timing(ours, *time_runner(self)))
+        choice = choose(timings)
+        write_choice(folder, choice, self._label())
+        slower = self._graph_path(attention, choice.chosen != ours, build=False).parent
+        if choice.chosen != ours:
+            self._close_session()
+        shutil.rmtree(slower, ignore_errors=True)
+        return choice
+
+    def _choice_folder(self, attention: str):
+        """Keyed on both graphs, both runtimes, the host and a forced padding (row_check.ENV)."""
+        graphs = [str(self._graph_path(attention, n, build=False)) for n in (False, True)]
+        runtimes = [self._runtime(n, attention)[1] for n in (False, True)]
+        return cache_dir("kernel-choice", self._model, version=CHOICE_VERSION, host=host_signature(),
+                         graphs=graphs, runtimes=runtimes, forced=os.environ.get(ROW_ENV, ""))
+
+    def _close_session(self) -> None:
+        self._session = self._inplace = self._open_native = None
+        gc.collect()  # its weights go before the next graph's load
 
     def _their_padding(self, attention: str) -> str:
         """MatMulNBits' padding on this host: its cached verdict, else its graph opened and
-        checked (the verdict, exact or not, is cached; its session is kept where it runs
-        unpadded)."""
+        checked (the verdict, exact or not, is cached; its session is kept where it is exact)."""
         try:
             known = self.cached_padding(self._graph_path(attention, False), self._runtime(False, attention)[1])
         except BackendError:  # cached: no padding makes it exact here
             return NO_EXACT
         if known is not None:
-            return known.padding if known.how != "forced" else f"{known.padding} ({known.detail})"
+            return known.padding
         try:
             self._open_graph(attention, native_matmul=False, note=False)
-            theirs = self._padding
+            return self._padding
         except BackendError:  # no padding makes it exact here: ours needs none
-            theirs = NO_EXACT
-        if theirs != "none":
-            self._session = self._inplace = None
-            gc.collect()  # its weights go before ours load
-        return theirs
+            self._close_session()
+            return NO_EXACT
 
-    def _graph_path(self, attention: str, native_matmul: bool):
+    def _graph_path(self, attention: str, native_matmul: bool, build: bool = True):
         return export_onnx(self._model, self.precision.name, self._progress, attention=attention,
-                           native_matmul=native_matmul)
+                           native_matmul=native_matmul, build=build)
 
     def _runtime(self, native_matmul: bool, attention: str) -> tuple:
         """(our compiled library or none, the runtime string the row check keys on: the
@@ -261,6 +300,7 @@ class OrtRunner(GraphRunner):
         path = self._graph_path(attention, native_matmul)
         self._libraries, runtime = self._runtime(native_matmul, attention)
         self._session = self._open(path)
+        self._open_native = native_matmul
         self._outputs = [o.name for o in self._session.get_outputs()]
         features = len(self.feature_layers) * self._model.config.hidden_size
         self._inplace = InPlaceGraph(self._session, self._layers, self.vocab_size, features) \

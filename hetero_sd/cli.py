@@ -148,8 +148,10 @@ def _families_table():
 
 
 def _row_checks(console) -> None:
-    """The per-host kernel choices cached so far: whether one-token calls of a quantized
-    graph runner run padded (backends/row_check.py), model by model."""
+    """The per-host kernel choices cached so far, model by model: whether one-token calls
+    of a quantized graph runner run padded (backends/row_check.py), and which matmul
+    runs where more than one is exact (backends/kernel_timing.py)."""
+    from hetero_sd.backends.kernel_timing import cached_choices
     from hetero_sd.backends.row_check import cached_verdicts, host_signature
     from hetero_sd.ir.cache import cache_root
 
@@ -160,6 +162,12 @@ def _row_checks(console) -> None:
                   highlight=False)
     for label, verdict in verdicts:
         console.print(f"  {label}: {verdict.describe()}", highlight=False)
+    choices = cached_choices(cache_root() / "kernel-choice")
+    if choices:
+        console.print("quantized matmuls on this host (the faster exact path, backends/kernel_timing.py):",
+                      highlight=False)
+    for label, choice in choices:
+        console.print(f"  {label}: {choice.chosen}, {choice.describe()}", highlight=False)
 
 
 def _models(args) -> int:

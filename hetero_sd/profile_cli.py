@@ -133,13 +133,17 @@ def _decode(e) -> str:
     return out
 
 
+_MATMULS = (("by MatMulNBits", "MatMulNBits"), ("and GGUFMatMul", "GGUFMatMul"), ("by our BlockMatMul", "BlockMatMul"))
+
+
 def _kernel(choice: str) -> str:
-    """The row check's verdict, short (backends/row_check.py); "" for runners without one."""
+    """The matmul that runs (backends/kernel_timing.py) and the row check's verdict
+    (backends/row_check.py), short; "" for runners without one."""
     if not choice:
         return ""
+    matmul = next((f"{name}, " for said, name in _MATMULS if said in choice), "")
     short = "unpadded" if "unpadded" in choice else "odd calls padded" if "odd-width" in choice else "padded"
-    return short + (" (forced)" if "forced" in choice or
-                                                             "HETERO_SD_PAD" in choice else "")
+    return matmul + short + (" (forced)" if "forced" in choice or "HETERO_SD_PAD" in choice else "")
 
 
 def _print_table(report, roles: dict) -> None:
@@ -157,7 +161,7 @@ def _print_table(report, roles: dict) -> None:
     table.add_column("prefill n:ms", justify="right")
     table.add_column("decode", justify="right")
     table.add_column(f"verify w=1..{s.k_max + 1}", justify="right")
-    table.add_column("one-token calls")
+    table.add_column("matmul, one-token calls")
     table.add_column("source")
     for e in report.entries:
         table.add_row(e.model, roles.get(e.model_path, ""), str(e.placement), "yes" if e.exact else "no",

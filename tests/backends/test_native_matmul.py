@@ -155,7 +155,8 @@ def test_devices_say_which_matmul_runs(monkeypatch, kernels):
     monkeypatch.setenv(native.ENV, kernels)
     monkeypatch.delenv(native.MATMUL_ENV, raising=False)
     cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
-    said = "quantized matmul: our BlockMatMul where MatMulNBits would pad (its row check)" if kernels == "matmul" else \
+    said = "quantized matmul: our BlockMatMul (a GGUF's blocks: GGUFMatMul) or MatMulNBits, the faster exact path " \
+        "on this host (timed at a model's first load)" if kernels == "matmul" else \
         f"quantized matmul: MatMulNBits; BlockMatMul off ({native.ENV}=matmul turns it on)"
     assert said in cpu.description
 
@@ -205,35 +206,6 @@ def test_the_lowering_puts_our_op_on_every_quantized_linear_layer(tiny_model_dir
 
 
 @needs_avx2
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_by_default_our_op_runs_only_where_matmulnbits_would_pad(tiny_model_dir, monkeypatch, precision):
-    """HETERO_SD_NATIVE_MATMUL=auto (the default): BlockMatMul where MatMulNBits' own row
-    check, on this host, pads calls; MatMulNBits where it is exact unpadded (its GEMMs are
-    the faster there). Forcing MatMulNBits' padding (as a host whose one-row kernel rounds
-    apart) puts ours in; its verdict is then its own."""
-    from hetero_sd.backends import row_check
-
-    monkeypatch.delenv(native.MATMUL_ENV, raising=False)
-    monkeypatch.setenv(native.ENV, "matmul")
-    ir = load_model_ir(tiny_model_dir("llama"))
-    monkeypatch.setenv(native.ENV, "0")
-    monkeypatch.delenv(row_check.ENV, raising=False)
-    theirs = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)._padding
-    monkeypatch.setenv(native.ENV, "matmul")
-    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
-    if theirs == "none":
-        assert "by MatMulNBits (exact unpadded on this host" in runner.kernel_choice
-    else:
-        assert f"by our BlockMatMul (MatMulNBits would pad: {theirs})" in runner.kernel_choice
-    monkeypatch.setenv(row_check.ENV, "pairs")  # as a host where MatMulNBits pads
-    forced = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
-    assert f"by our BlockMatMul (MatMulNBits would pad: pairs ({row_check.ENV}=pairs))" in forced.kernel_choice
-    monkeypatch.setenv(native.MATMUL_ENV, "sometimes")
-    with pytest.raises(ValueError, match="HETERO_SD_NATIVE_MATMUL='sometimes': one of auto, always"):
-        REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
-
-
-@needs_avx2
 def test_where_no_padding_makes_matmulnbits_exact_ours_runs(tiny_model_dir, monkeypatch, tmp_path):
     """A host where MatMulNBits rounds rows apart under every padding (its row check
     fails: simulated): the load does not fail, BlockMatMul runs, and its own check passes.
@@ -255,11 +227,11 @@ def test_where_no_padding_makes_matmulnbits_exact_ours_runs(tiny_model_dir, monk
     monkeypatch.setenv(native.ENV, "matmul")
     ir = load_model_ir(tiny_model_dir("qwen2"))
     runner = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
-    assert "by our BlockMatMul (MatMulNBits would pad: no padding is exact)" in runner.kernel_choice
+    assert "by our BlockMatMul (MatMulNBits: no padding is exact on this host)" in runner.kernel_choice
     assert runner.padding == "none" and checked == [False, False, False, True]  # theirs under 3 paddings, ours
     checked.clear()
     again = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
-    assert "by our BlockMatMul (MatMulNBits would pad: no padding is exact)" in again.kernel_choice
+    assert "by our BlockMatMul (MatMulNBits: no padding is exact on this host)" in again.kernel_choice
     assert checked == [] and "(cached" in again.kernel_choice
     monkeypatch.setenv(native.ENV, "0")  # MatMulNBits alone: the cached failure is the load's error
     with pytest.raises(BackendError, match="under every padding.*cached: delete"):

@@ -16,10 +16,13 @@ from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
 QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4")]
-# onnxruntime's in-place graph by default (BlockMatMul where MatMulNBits would pad),
-# with our BlockMatMul always (where it builds) and with onnxruntime's own MatMulNBits
-# (HETERO_SD_NATIVE=0, as where ours cannot build); OpenVINO runs its own either way
-KERNELS = {"onnxruntime": (None, pytest.param("always", marks=needs_avx2), "0"), "openvino": (None,)}
+# onnxruntime's in-place graph by default (BlockMatMul or MatMulNBits, whichever exact
+# path was the faster here: kernel_timing.py), each of those two forced (our BlockMatMul
+# always; MatMulNBits in the same SlabAttention graph, HETERO_SD_NATIVE=attention), and
+# onnxruntime's own ops alone (HETERO_SD_NATIVE=0, as where ours cannot build); OpenVINO
+# runs its own either way
+KERNELS = {"onnxruntime": (None, pytest.param("always", marks=needs_avx2), pytest.param("attention", marks=needs_avx2),
+                           "0"), "openvino": (None,)}
 def _kernel_cases(backend):
     for k in KERNELS[backend]:
         value, marks = (k.values[0], k.marks) if hasattr(k, "values") else (k, ())
@@ -32,8 +35,8 @@ CONTEXTS = (3, 12, 40)
 
 
 def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: bool = False, kernels: str | None = None):
-    """kernels: HETERO_SD_NATIVE (None: the default: our BlockMatMul where it builds and
-    MatMulNBits would pad); "always": BlockMatMul whatever MatMulNBits' verdict."""
+    """kernels: HETERO_SD_NATIVE (None: the default: the faster exact matmul, timed);
+    "always": BlockMatMul whatever MatMulNBits' verdict."""
     monkeypatch.delenv(native.MATMUL_ENV, raising=False)
     if kernels is None:
         monkeypatch.delenv(native.ENV, raising=False)
