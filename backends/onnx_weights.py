@@ -28,6 +28,7 @@ OpenVINO's ONNX frontend reads into compressed constants:
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Iterable
 
 import numpy as np
@@ -35,7 +36,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from hetero_sd.backends import gguf_pack
-from hetero_sd.backends.native import DOMAIN as NATIVE_DOMAIN, GGUF_TYPES, gguf_fits, matmul_fits
+from hetero_sd.backends.native import DOMAIN as NATIVE_DOMAIN, GGUF_TYPES, gguf_fits, gguf_pairs, matmul_fits
 from hetero_sd.ir import quant
 
 EXTERNAL_MIN = 1024  # bytes: smaller constants stay inside the proto
@@ -239,19 +240,29 @@ class Linears:
             return None
         n, k = g.shape
         # one op: no [T, 2N] tensor, no split, activation or product as nodes of their own
-        return self.b.op("GGUFMatMul", x, self.b.const(gguf_pack.pack_gated(g.kind, g.raw, u.raw), "wg"),
-                         domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[g.kind], gated=1)
+        packed = gguf_pack.pack_gated(g.kind, g.raw, u.raw, pairs=self._pairs)
+        return self._gguf_op([x, self.b.const(packed, "wg")], k, n, g.kind, gated=1)
 
     def blocks_matmul(self, x: str, blk: quant.Blocks, bias: np.ndarray | None = None) -> str:
         n, k = blk.shape
         if self._ours(blk):
             # our GGUFMatMul computes on the file's own super-blocks, 8 columns interleaved
             # (gguf_pack.py): a weight costs the file's bits, its scales apply in integers
-            ins = [x, self.b.const(gguf_pack.pack(blk.kind, blk.raw), "wg")]
+            ins = [x, self.b.const(gguf_pack.pack(blk.kind, blk.raw, pairs=self._pairs), "wg")]
             if bias is not None:  # added in the op: no node of its own
                 ins.append(self.b.const(bias.astype(np.float32), "b"))
-            return self.b.op("GGUFMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[blk.kind])
+            return self._gguf_op(ins, k, n, blk.kind)
         return self._add(self._nbits_blocks(x, blk), bias)
+
+    def _gguf_op(self, ins: list[str], k: int, n: int, kind: str, **attrs) -> str:
+        """GGUFMatMul, saying how K-quant weights were packed for the library built here."""
+        if kind.endswith("_K"):
+            attrs["pairs"] = int(self._pairs)
+        return self.b.op("GGUFMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[kind], **attrs)
+
+    @cached_property
+    def _pairs(self) -> bool:
+        return gguf_pairs()
 
     def _nbits_blocks(self, x: str, blk: quant.Blocks) -> str:
         """The blocks as MatMulNBits' (or our BlockMatMul's) inputs."""

@@ -17,7 +17,7 @@ from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
 # native_fits from backends/native, not onnx_native: a warm start must not import onnx
-from hetero_sd.backends.native import MATMUL_ENV, kernel_available, library, matmul_policy, native_fits
+from hetero_sd.backends.native import MATMUL_ENV, gguf_pairs, kernel_available, library, matmul_policy, native_fits
 from hetero_sd.backends.kernel_timing import CHOICE_VERSION, Choice, Timing, cached_choice, choose, time_runner, \
     write_choice
 from hetero_sd.backends.row_check import ENV as ROW_ENV, NO_EXACT, host_signature, padded
@@ -128,6 +128,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
         extra["attention"] = attention
     if native_matmul:
         extra["matmul"] = "native"
+        if precision == "gguf":  # K-quants packed for the library built here (gguf_pack.py)
+            extra["pairs"] = int(gguf_pairs())
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
@@ -256,11 +258,14 @@ class OrtRunner(GraphRunner):
         return choice
 
     def _choice_folder(self, attention: str):
-        """Keyed on both graphs, both runtimes, the host and a forced padding (row_check.ENV)."""
-        graphs = [str(self._graph_path(attention, n, build=False)) for n in (False, True)]
+        """Keyed on the model's files, precision and lowering, both runtimes, the host and
+        a forced padding (row_check.ENV), but not on the graph's extra outputs: the same
+        target with and without feature outputs (a head drafter's, and target-only
+        decoding) must run the same kernel, so that their logits are bitwise the same."""
         runtimes = [self._runtime(n, attention)[1] for n in (False, True)]
         return cache_dir("kernel-choice", self._model, version=CHOICE_VERSION, host=host_signature(),
-                         graphs=graphs, runtimes=runtimes, forced=os.environ.get(ROW_ENV, ""))
+                         graph=GRAPH_VERSION, precision=self.precision.name, attention=attention,
+                         runtimes=runtimes, forced=os.environ.get(ROW_ENV, ""))
 
     def _close_session(self) -> None:
         self._session = self._inplace = self._open_native = None

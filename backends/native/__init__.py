@@ -163,6 +163,21 @@ def library(kernel: str) -> Path:
     return _build(os.environ.get(MARCH_ENV, ""))
 
 
+def gguf_pairs() -> bool:
+    """Whether the library built here reads K-quant step pairs as AVX-512's (a column's
+    two steps together) rather than AVX2's (gguf_blocks.h PAIRS): the lowering packs
+    the weights so (gguf_pack.py) and says it in GGUFMatMul's `pairs` attribute."""
+    return pairs_of(library("matmul"))
+
+
+@lru_cache(maxsize=None)
+def pairs_of(path: Path) -> bool:
+    """The step-pair layout a built library reads (its hetero_sd_gguf_pairs)."""
+    import ctypes
+
+    return bool(ctypes.CDLL(str(path)).hetero_sd_gguf_pairs())
+
+
 def kernel_available(kernel: str) -> tuple[bool, str]:
     """(usable, why not) without raising."""
     try:

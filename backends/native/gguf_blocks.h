@@ -102,62 +102,126 @@ static inline const uint8_t* block_at(const Job* j, int64_t g, int s, int bytes)
   return b;
 }
 
+/* ---- K-quants: step pairs ----------------------------------------------------------
+ * Q4_K's and Q6_K's values come in step pairs of 64 bytes (two steps of 4 values, 8
+ * columns), laid out for the build (gguf_pack.py; the op's `pairs` attribute says which,
+ * and must be this build's PAIRS):
+ *   PAIRS 1 (AVX-512 VNNI): a column's two steps together, so a 512-bit load is a whole
+ *     pair with each 64-bit lane a column's, fed by one 64-bit broadcast of the pair's 8
+ *     activations: the dot product runs 16 lanes wide (on this AMD EPYC, 9.0 G vpdpbusd a
+ *     second a core at 512 bits as at 256: twice the products), a column's two lanes
+ *     added once a super-block (exact integers);
+ *   PAIRS 0 (AVX2): one step's 8 columns, then the next's: two 256-bit loads, one int32
+ *     lane a column (taking the other layout apart cost an AVX2 5-row Q6_K head 11%).
+ * The loops below are written once over `vec`. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+enum { PAIRS = 1 };
+typedef __m512i vec;
+enum { NV = 1 };  /* vectors a step pair */
+static inline vec v_zero(void) { return _mm512_setzero_si512(); }
+static inline vec v_bytes(char c) { return _mm512_set1_epi8(c); }
+static inline vec v_and(vec a, vec b) { return _mm512_and_si512(a, b); }
+static inline vec v_or(vec a, vec b) { return _mm512_or_si512(a, b); }
+#define v_srli16(a, n) _mm512_srli_epi16(a, n)
+#define v_slli16(a, n) _mm512_slli_epi16(a, n)
+static inline vec v_add(vec a, vec b) { return _mm512_add_epi32(a, b); }
+static inline vec v_mul(vec a, vec b) { return _mm512_mullo_epi32(a, b); }
+static inline vec v_dot(vec acc, vec w, vec a) { return _mm512_dpbusd_epi32(acc, w, a); }
+static inline void v_pair(const uint8_t* p, vec* v) { v[0] = _mm512_loadu_si512((const void*)p); }
+/* the activations of step t of a pair (a: the pair's 8) */
+static inline vec v_acts(const int8_t* a, int t) { int64_t x; (void)t; memcpy(&x, a, 8); return _mm512_set1_epi64(x); }
+/* 8 columns' scale bytes (unsigned, signed) as the sums' lanes: each column's twice */
+static inline vec v_scales_u8(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64((const __m128i*)p);
+  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v));
+}
+static inline vec v_scales_i8(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64((const __m128i*)p);
+  return _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(v, v));
+}
+/* a sum's 8 columns, one int32 lane each: a column's two lanes added (a 64-bit lane's low half) */
+static inline __m256i v_columns(vec x) { return _mm512_cvtepi64_epi32(_mm512_add_epi64(x, _mm512_srli_epi64(x, 32))); }
+#else
+enum { PAIRS = 0 };
+typedef __m256i vec;
+enum { NV = 2 };
+static inline vec v_zero(void) { return _mm256_setzero_si256(); }
+static inline vec v_bytes(char c) { return _mm256_set1_epi8(c); }
+static inline vec v_and(vec a, vec b) { return _mm256_and_si256(a, b); }
+static inline vec v_or(vec a, vec b) { return _mm256_or_si256(a, b); }
+#define v_srli16(a, n) _mm256_srli_epi16(a, n)
+#define v_slli16(a, n) _mm256_slli_epi16(a, n)
+static inline vec v_add(vec a, vec b) { return _mm256_add_epi32(a, b); }
+static inline vec v_mul(vec a, vec b) { return _mm256_mullo_epi32(a, b); }
+static inline vec v_dot(vec acc, vec w, vec a) { return dot4(acc, w, a); }
+/* a pair's even step, then its odd one, 8 columns each */
+static inline void v_pair(const uint8_t* p, vec* v) {
+  v[0] = _mm256_loadu_si256((const __m256i*)p);
+  v[1] = _mm256_loadu_si256((const __m256i*)(p + 32));
+}
+static inline vec v_acts(const int8_t* a, int t) { return bcast4(a + 4 * t); }
+static inline vec v_scales_u8(const uint8_t* p) { return lanes_u8(p); }
+static inline vec v_scales_i8(const uint8_t* p) { return lanes_i8(p); }
+static inline __m256i v_columns(vec x) { return x; }
+#endif
+
 /* Q4_K, a group's super-block: d[8] fp16, dmin[8] fp16, scales[8 sub-blocks][8], mins[8][8],
- * then qs[4 (64 values)][8 (4 bytes)][8 columns][4]: low nibbles sub-block 2k, high 2k + 1 */
+ * then qs[4 (64 values)][4 step pairs][64 bytes, as PAIRS says]: low nibbles sub-block 2k, high 2k + 1 */
 enum { Q4K_GROUP = 16 + 16 + 64 + 64 + 1024, Q6K_GROUP = 1024 + 512 + 16 + 128 + 16 };
 
 /* super-block s of group g into the rows' accumulators */
 static inline __attribute__((always_inline)) void q4k_block(const Job* j, int64_t m0, const int mr, int64_t g,
                                                             int s, const int8_t* const* qa, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
-  {
-    const uint8_t* b = block_at(j, g, s, Q4K_GROUP);
-    __m256i isum[MR];
+  const vec low = v_bytes(15);
+  const uint8_t* b = block_at(j, g, s, Q4K_GROUP);
+  vec isum[MR];
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+  for (int r = 0; r < mr; r++) isum[r] = v_zero();
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-      __m256i lo[MR], hi[MR];
+  for (int k = 0; k < 4; k++) {
+    vec lo[MR], hi[MR];
 #pragma GCC unroll 8
-      for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int q = 0; q < 8; q++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 160 + (k * 8 + q) * 32));
-        const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    for (int r = 0; r < mr; r++) lo[r] = hi[r] = v_zero();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+      vec v[NV];
+      v_pair(b + 160 + (k * 4 + p) * 64, v);
+#pragma GCC unroll 2
+      for (int t = 0; t < NV; t++) {
+        const vec wl = v_and(v[t], low), wh = v_and(v_srli16(v[t], 4), low);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
-          const int8_t* a = qa[r] + s * QK + 64 * k + 4 * q;
-          lo[r] = dot4(lo[r], wl, bcast4(a));
-          hi[r] = dot4(hi[r], wh, bcast4(a + 32));
+          const int8_t* a = qa[r] + s * QK + 64 * k + 8 * p;
+          lo[r] = v_dot(lo[r], wl, v_acts(a, t));
+          hi[r] = v_dot(hi[r], wh, v_acts(a + 32, t));
         }
       }
-      const __m256i sl = lanes_u8(b + 32 + 16 * k), sh = lanes_u8(b + 32 + 16 * k + 8);
-#pragma GCC unroll 8
-      for (int r = 0; r < mr; r++)
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], sl), _mm256_mullo_epi32(hi[r], sh)));
     }
-    __m256i mp[4];  /* minimums of sub-blocks 2p, 2p + 1 */
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) mp[p] = pairs_u8(b + 96 + 16 * p);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));
+    const vec sl = v_scales_u8(b + 32 + 16 * k), sh = v_scales_u8(b + 32 + 16 * k + 8);
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) {
-      __m256i msum = _mm256_setzero_si256();  /* minimums x their sub-blocks' activation sums */
+    for (int r = 0; r < mr; r++) isum[r] = v_add(isum[r], v_add(v_mul(lo[r], sl), v_mul(hi[r], sh)));
+  }
+  __m256i mp[4];  /* minimums of sub-blocks 2p, 2p + 1 */
 #pragma GCC unroll 4
-      for (int p = 0; p < 4; p++)
-        msum = dot2(msum, mp[p], bcast4(j->bs32 + (size_t)(m0 + r) * (j->K / 32) + s * 8 + 2 * p));
-      const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, ad), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[r]);
-    }
+  for (int p = 0; p < 4; p++) mp[p] = pairs_u8(b + 96 + 16 * p);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++) {
+    __m256i msum = _mm256_setzero_si256();  /* minimums x their sub-blocks' activation sums */
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)
+      msum = dot2(msum, mp[p], bcast4(j->bs32 + (size_t)(m0 + r) * (j->K / 32) + s * 8 + 2 * p));
+    const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v_columns(isum[r])), _mm256_mul_ps(d, ad), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[r]);
   }
 }
 
 /* Q6_K's float part: q is stored plus 32, so less 32 x scale x each sub-block's
  * activation sum, then one product with d and the row's scale */
 static inline __attribute__((always_inline)) void q6k_finish(const Job* j, int64_t m0, const int mr, const uint8_t* b,
-                                                             int s, const __m256i* isum, __m256* acc) {
+                                                             int s, const vec* isum, __m256* acc) {
   const uint8_t* sc8 = b + 1552;
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 1536)));
 #pragma GCC unroll 8
@@ -168,98 +232,103 @@ static inline __attribute__((always_inline)) void q6k_finish(const Job* j, int64
       off = dot2(off, _mm256_slli_epi16(pairs_i8(sc8 + 16 * p), 5),
                  bcast4(j->bs + (size_t)(m0 + r) * (j->K / 16) + s * 16 + 2 * p));
     const __m256 ad = _mm256_set1_ps(j->ad[(m0 + r) * j->nsb + s]);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)), _mm256_mul_ps(d, ad), acc[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v_columns(isum[r]), off)), _mm256_mul_ps(d, ad), acc[r]);
   }
 }
 
-/* a step's 6-bit values of sub-block pair k (0..3; stored plus 32) for 8 columns: ql's low
- * (k < 2) or high nibbles of l (the step's ql row k & 1), with qh's bits 2k, 2k + 1 above */
-static inline __m256i q6k_values(__m256i l, __m256i hb, const int k) {
-  const __m256i l4 = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
-  const __m256i h2 = k == 0 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)
-                   : k == 1 ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)
-                   : k == 2 ? _mm256_and_si256(hb, _mm256_set1_epi8(0x30))
-                            : _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)0xC0)), 2);
-  return _mm256_or_si256(l4, h2);
+/* a step's 6-bit values of sub-block pair k (0..3; stored plus 32): ql's low (k < 2) or
+ * high nibbles of l (the step's ql row k & 1), with qh's bits 2k, 2k + 1 above */
+static inline vec q6k_values(vec l, vec hb, const int k) {
+  const vec l4 = v_and(k < 2 ? l : v_srli16(l, 4), v_bytes(15));
+  const vec h2 = k == 0 ? v_slli16(v_and(hb, v_bytes(0x03)), 4)
+               : k == 1 ? v_slli16(v_and(hb, v_bytes(0x0C)), 2)
+               : k == 2 ? v_and(hb, v_bytes(0x30))
+                        : v_srli16(v_and(hb, v_bytes((char)0xC0)), 2);
+  return v_or(l4, h2);
 }
 
-/* Q6_K, a group's super-block: [2 halves][8 steps](ql[0][8 columns][4] | ql[1][8][4] |
- * qh[8][4]), d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes of padding: 1696 bytes,
- * a multiple of 32, so no 32-byte load straddles two cache lines (at 1680, every other
- * block's did: it streamed at 15-22 GB/s). A step's three rows lie together: one row's
- * loop (q6k_block_narrow) reads a block in address order (with the file's ql, ql, qh
- * order it streamed at 19-21 GB/s, 27-29 in order, one row, 181 MB, this AMD EPYC) */
+/* Q6_K, a group's super-block: [2 halves][4 step pairs](ql[0] | ql[1] | qh: 64 bytes each,
+ * as PAIRS says), d[8] fp16, scales[16 sub-blocks][8] int8, 16 bytes of
+ * padding: 1696 bytes, a multiple of 32, so no 32-byte load straddles two cache lines
+ * (at 1680, every other block's did: it streamed at 15-22 GB/s). A pair's three rows lie
+ * together: one row's loop (q6k_block_narrow) reads a block in address order (with the
+ * file's ql, ql, qh order it streamed at 19-21 GB/s, 27-29 in order, one row, 181 MB) */
 static inline __attribute__((always_inline)) void q6k_block(const Job* j, int64_t m0, const int mr, int64_t g,
                                                             int s, const int8_t* const* qa, __m256* acc) {
-  {
-    const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
-    __m256i isum[MR];
+  const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
+  vec isum[MR];
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) {
+  for (int r = 0; r < mr; r++) isum[r] = v_zero();
+  for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 4
-      for (int k = 0; k < 4; k++) {  /* values 128h + 32k ..: sub-blocks 8h + 2k and 8h + 2k + 1 */
+    for (int k = 0; k < 4; k++) {  /* values 128h + 32k ..: sub-blocks 8h + 2k and 8h + 2k + 1 */
 #pragma GCC unroll 2
-        for (int half = 0; half < 2; half++) {
-          __m256i sub[MR];
+      for (int half = 0; half < 2; half++) {
+        vec sub[MR];
 #pragma GCC unroll 8
-          for (int r = 0; r < mr; r++) sub[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-          for (int q = 4 * half; q < 4 * half + 4; q++) {
-            const __m256i l = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + (k & 1) * 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + (h * 8 + q) * 96 + 64));
-            const __m256i w = q6k_values(l, hb, k);
+        for (int r = 0; r < mr; r++) sub[r] = v_zero();
+#pragma GCC unroll 2
+        for (int p = 2 * half; p < 2 * half + 2; p++) {
+          vec l[NV], hb[NV];
+          v_pair(b + (h * 4 + p) * 192 + (k & 1) * 64, l);
+          v_pair(b + (h * 4 + p) * 192 + 128, hb);
+#pragma GCC unroll 2
+          for (int t = 0; t < NV; t++) {
+            const vec w = q6k_values(l[t], hb[t], k);
 #pragma GCC unroll 8
-            for (int r = 0; r < mr; r++) sub[r] = dot4(sub[r], w, bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
+            for (int r = 0; r < mr; r++) sub[r] = v_dot(sub[r], w, v_acts(qa[r] + s * QK + 128 * h + 32 * k + 8 * p, t));
           }
-          const int sb = 8 * h + 2 * k + half;
-          const __m256i sc = lanes_i8(sc8 + 8 * sb);
-#pragma GCC unroll 8
-          for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[r], sc));
         }
+        const vec sc = v_scales_i8(sc8 + 8 * (8 * h + 2 * k + half));
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) isum[r] = v_add(isum[r], v_mul(sub[r], sc));
       }
     }
-    q6k_finish(j, m0, mr, b, s, isum, acc);
   }
+  q6k_finish(j, m0, mr, b, s, isum, acc);
 }
 
-/* Q6_K for one or two rows: each (half, step)'s ql and qh loads serve all four of its
- * sub-blocks' values (the loop above loads qh four times and keeps one sub-block's sums
- * a row; with so few rows it is bound by those loads and shifts, not by memory). The
- * same exact integer sums: a row's result is bitwise the wide loop's. */
+/* Q6_K for one or two rows: each pair's ql and qh loads serve all four of its sub-blocks'
+ * values (the loop above loads qh four times and keeps one sub-block's sums a row; with
+ * so few rows it is bound by those loads and shifts, not by memory). The same exact
+ * integer sums: a row's result is bitwise the wide loop's. */
 static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j, int64_t m0, const int mr, int64_t g,
                                                                    int s, const int8_t* const* qa, __m256* acc) {
   const uint8_t *b = block_at(j, g, s, Q6K_GROUP), *sc8 = b + 1552;
-  __m256i isum[NARROW];
+  vec isum[NARROW];
 #pragma GCC unroll 2
-  for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+  for (int r = 0; r < mr; r++) isum[r] = v_zero();
   for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; half++) {
-      __m256i sub[4][NARROW];  /* sub-blocks 8h + 2k + half, k = 0..3 */
+      vec sub[4][NARROW];  /* sub-blocks 8h + 2k + half, k = 0..3 */
 #pragma GCC unroll 4
       for (int k = 0; k < 4; k++)
 #pragma GCC unroll 2
-        for (int r = 0; r < mr; r++) sub[k][r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int q = 4 * half; q < 4 * half + 4; q++) {
-        const uint8_t* step = b + (h * 8 + q) * 96;  /* in address order */
-        const __m256i l0 = _mm256_loadu_si256((const __m256i*)step);
-        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(step + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i*)(step + 64));
-        const __m256i w[4] = {q6k_values(l0, hb, 0), q6k_values(l1, hb, 1), q6k_values(l0, hb, 2),
-                              q6k_values(l1, hb, 3)};
+        for (int r = 0; r < mr; r++) sub[k][r] = v_zero();
 #pragma GCC unroll 2
-        for (int r = 0; r < mr; r++)
+      for (int p = 2 * half; p < 2 * half + 2; p++) {
+        const uint8_t* pair = b + (h * 4 + p) * 192;  /* in address order */
+        vec l0[NV], l1[NV], hb[NV];
+        v_pair(pair, l0);
+        v_pair(pair + 64, l1);
+        v_pair(pair + 128, hb);
+#pragma GCC unroll 2
+        for (int t = 0; t < NV; t++) {
+          const vec w[4] = {q6k_values(l0[t], hb[t], 0), q6k_values(l1[t], hb[t], 1), q6k_values(l0[t], hb[t], 2),
+                            q6k_values(l1[t], hb[t], 3)};
+#pragma GCC unroll 2
+          for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
-          for (int k = 0; k < 4; k++)
-            sub[k][r] = dot4(sub[k][r], w[k], bcast4(qa[r] + s * QK + 128 * h + 32 * k + 4 * q));
+            for (int k = 0; k < 4; k++)
+              sub[k][r] = v_dot(sub[k][r], w[k], v_acts(qa[r] + s * QK + 128 * h + 32 * k + 8 * p, t));
+        }
       }
 #pragma GCC unroll 4
       for (int k = 0; k < 4; k++) {
-        const __m256i sc = lanes_i8(sc8 + 8 * (8 * h + 2 * k + half));
+        const vec sc = v_scales_i8(sc8 + 8 * (8 * h + 2 * k + half));
 #pragma GCC unroll 2
-        for (int r = 0; r < mr; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub[k][r], sc));
+        for (int r = 0; r < mr; r++) isum[r] = v_add(isum[r], v_mul(sub[k][r], sc));
       }
     }
   }

@@ -46,20 +46,24 @@ def _raw(rng, kind, n, k, noise=False):
     return raw.reshape(n, -1)
 
 
-def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None, type_id=None):
-    """The op over the file's bytes `raw` (packed as the lowering packs them), or over
-    `packed` as given; with `bias`, or gated with `up` (then `raw` is the gate);
-    type_id: the op's type attribute, where not kind's."""
+def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None, type_id=None, pairs=None):
+    """The op over the file's bytes `raw` (packed as the lowering packs them for `lib`),
+    or over `packed` as given; with `bias`, or gated with `up` (then `raw` is the gate);
+    type_id: the op's type attribute, where not kind's; pairs: its pairs attribute
+    (K-quants), where not the library's."""
     import onnxruntime as ort
 
+    built = native.pairs_of(lib)
     if packed is None:
-        packed = gguf_pack.pack(kind, raw) if up is None else gguf_pack.pack_gated(kind, raw, up)
+        packed = gguf_pack.pack(kind, raw, pairs=built) if up is None else \
+            gguf_pack.pack_gated(kind, raw, up, pairs=built)
+    attrs = {"pairs": int(built if pairs is None else pairs)} if kind in KQUANTS else {}
     inits = [numpy_helper.from_array(packed, "B")]
     if bias is not None:
         inits.append(numpy_helper.from_array(bias, "bias"))
     node = helper.make_node("GGUFMatMul", ["A", "B"] + (["bias"] if bias is not None else []), ["Y"],
                             domain=native.DOMAIN, K=k, N=n, type=type_id or native.GGUF_TYPES[kind],
-                            **({"gated": 1} if up is not None else {}))
+                            **({"gated": 1} if up is not None else {}), **attrs)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(native.DOMAIN, 1)])
@@ -181,7 +185,7 @@ def test_bad_shapes_and_types_are_clear_errors(library):
     raw = _raw(rng, "Q4_K", 8, 256)
     with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\]"):
         _session(library, "Q4_K", 256, 8, raw).run(None, {"A": np.zeros((2, 128), np.float32)})
-    packed = gguf_pack.pack("Q4_K", raw)
+    packed = gguf_pack.pack("Q4_K", raw, pairs=native.pairs_of(library))
     with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[ceil\(N / 8\)"):  # Q6_K's groups are longer
         _session(library, "Q6_K", 256, 8, raw, packed=packed).run(None, {"A": np.zeros((2, 256), np.float32)})
     with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[ceil\(N / 8\), K / \(256 or 64\)"):
@@ -192,14 +196,36 @@ def test_bad_shapes_and_types_are_clear_errors(library):
         _session(library, "Q8_0", 96, 8, raw, packed=np.zeros((1, 1, 544), np.uint8))
     with pytest.raises(Exception, match=r"GGUFMatMul: A \[\.\.\., K\], B \[2 ceil\(N / 8\).*\(gated\)"):  # one half only
         _session(library, "Q4_K", 256, 8, raw, packed=packed, up=raw).run(None, {"A": np.zeros((2, 256), np.float32)})
+    other = "AVX2 build \\(pairs 0\\); this build is AVX-512's" if native.pairs_of(library) else \
+        "AVX-512 build \\(pairs 1\\); this build is AVX2's"
+    with pytest.raises(Exception, match=f"GGUFMatMul: K-quant weights packed for the {other} .*: lower the graph"):
+        _session(library, "Q6_K", 256, 8, _raw(rng, "Q6_K", 8, 256), pairs=not native.pairs_of(library))
     with pytest.raises(Exception, match=r"GGUFMatMul: bias \[N\]"):
         _session(library, "Q4_K", 256, 8, raw, bias=np.zeros(7, np.float32)).run(None, {"A": np.zeros((2, 256), np.float32)})
     with pytest.raises(ValueError, match="GGUFMatMul holds Q4_K, Q6_K, Q4_0, .*, not Q5_K"):
-        gguf_pack.pack("Q5_K", raw)
+        gguf_pack.pack("Q5_K", raw, pairs=True)
     with pytest.raises(ValueError, match="Q8_0: a row of 96 values is not a multiple of 64"):
-        gguf_pack.pack("Q8_0", _raw(rng, "Q8_0", 8, 96))
+        gguf_pack.pack("Q8_0", _raw(rng, "Q8_0", 8, 96), pairs=True)
     with pytest.raises(ValueError, match="gate and up differ in shape"):
-        gguf_pack.pack_gated("Q4_K", raw, _raw(rng, "Q4_K", 8, 512))
+        gguf_pack.pack_gated("Q4_K", raw, _raw(rng, "Q4_K", 8, 512), pairs=True)
+
+
+def test_the_two_step_pair_layouts_hold_the_same_bytes():
+    """AVX-512's layout (a column's two steps together) and AVX2's (a step's 8 columns,
+    then the next's) differ only in the order of 4-byte words within each step pair."""
+    rng = np.random.default_rng(4)
+    for kind, at in (("Q4_K", 160), ("Q6_K", 0)):
+        raw = _raw(rng, kind, 16, 512, noise=True)
+        wide, narrow = gguf_pack.pack(kind, raw, pairs=True), gguf_pack.pack(kind, raw, pairs=False)
+        assert wide.shape == narrow.shape and not np.array_equal(wide, narrow)
+        span = slice(at, at + 1536 if kind == "Q6_K" else at + 1024)
+        assert np.array_equal(wide[..., :span.start], narrow[..., :span.start])
+        assert np.array_equal(wide[..., span.stop:], narrow[..., span.stop:])
+        words = lambda x: x[..., span].reshape(*x.shape[:2], -1, 2, 8, 4)  # noqa: E731 [pair][2 steps][8 columns][4]
+        assert np.array_equal(words(narrow), words(wide).reshape(*wide.shape[:2], -1, 8, 2, 4).swapaxes(-3, -2))
+    for kind in BLOCKS32:  # no steps in pairs: one layout
+        raw = _raw(rng, kind, 16, 512, noise=True)
+        assert np.array_equal(gguf_pack.pack(kind, raw, pairs=True), gguf_pack.pack(kind, raw, pairs=False))
 
 
 def test_types_it_covers():

@@ -70,6 +70,24 @@ def test_the_faster_exact_path_runs_and_is_cached(tiny_model_dir, timed, precisi
 
 
 @needs_avx2
+@pytest.mark.parametrize("faster", ["ours", "theirs"])
+def test_a_target_with_feature_outputs_runs_the_same_kernel(tiny_model_dir, timed, faster):
+    """The graph with a head drafter's feature outputs is another graph, but the same
+    target: it takes the choice made for the model (not timed again), so its logits are
+    bitwise target-only decoding's, whichever it loads first."""
+    timed.faster = faster
+    ir = load_model_ir(tiny_model_dir("qwen2"))
+    first, second = (ir, ir.with_features((0, 1))) if faster == "ours" else (ir.with_features((0, 1)), ir)
+    a = _load(first, "int4")
+    b = _load(second, "int4")
+    assert timed.calls == ["theirs", "ours"] and a._open_native == b._open_native == (faster == "ours")
+    prompt = random_prompt(20, seed=2)
+    sa, sb = a.allocate(32), b.allocate(32)
+    assert np.array_equal(a.forward(sa, prompt, 0, 5), b.forward(sb, prompt, 0, 5))
+    assert all(np.array_equal(a.forward(sa, [t], 20 + i, 1), b.forward(sb, [t], 20 + i, 1)) for i, t in enumerate([3, 9, 4]))
+
+
+@needs_avx2
 def test_the_choice_is_the_hosts(tiny_model_dir, timed, monkeypatch):
     """Another host (its CPU flags digested) times again; so does a forced padding."""
     ir = load_model_ir(tiny_model_dir("llama"))
