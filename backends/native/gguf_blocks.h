@@ -118,14 +118,6 @@ static inline const uint8_t* block_at(const Job* j, int64_t g, int s, int bytes)
 enum { PAIRS = 1 };
 typedef __m512i vec;
 enum { NV = 1 };  /* vectors a step pair */
-static inline vec v_zero(void) { return _mm512_setzero_si512(); }
-static inline vec v_bytes(char c) { return _mm512_set1_epi8(c); }
-static inline vec v_and(vec a, vec b) { return _mm512_and_si512(a, b); }
-static inline vec v_or(vec a, vec b) { return _mm512_or_si512(a, b); }
-#define v_srli16(a, n) _mm512_srli_epi16(a, n)
-#define v_slli16(a, n) _mm512_slli_epi16(a, n)
-static inline vec v_add(vec a, vec b) { return _mm512_add_epi32(a, b); }
-static inline vec v_mul(vec a, vec b) { return _mm512_mullo_epi32(a, b); }
 static inline vec v_dot(vec acc, vec w, vec a) { return _mm512_dpbusd_epi32(acc, w, a); }
 static inline void v_pair(const uint8_t* p, vec* v) { v[0] = _mm512_loadu_si512((const void*)p); }
 /* the activations of step t of a pair (a: the pair's 8) */
@@ -141,18 +133,11 @@ static inline vec v_scales_i8(const uint8_t* p) {
 }
 /* a sum's 8 columns, one int32 lane each: a column's two lanes added (a 64-bit lane's low half) */
 static inline __m256i v_columns(vec x) { return _mm512_cvtepi64_epi32(_mm512_add_epi64(x, _mm512_srli_epi64(x, 32))); }
+#define V_(op) _mm512_##op
 #else
 enum { PAIRS = 0 };
 typedef __m256i vec;
 enum { NV = 2 };
-static inline vec v_zero(void) { return _mm256_setzero_si256(); }
-static inline vec v_bytes(char c) { return _mm256_set1_epi8(c); }
-static inline vec v_and(vec a, vec b) { return _mm256_and_si256(a, b); }
-static inline vec v_or(vec a, vec b) { return _mm256_or_si256(a, b); }
-#define v_srli16(a, n) _mm256_srli_epi16(a, n)
-#define v_slli16(a, n) _mm256_slli_epi16(a, n)
-static inline vec v_add(vec a, vec b) { return _mm256_add_epi32(a, b); }
-static inline vec v_mul(vec a, vec b) { return _mm256_mullo_epi32(a, b); }
 static inline vec v_dot(vec acc, vec w, vec a) { return dot4(acc, w, a); }
 /* a pair's even step, then its odd one, 8 columns each */
 static inline void v_pair(const uint8_t* p, vec* v) {
@@ -163,7 +148,17 @@ static inline vec v_acts(const int8_t* a, int t) { return bcast4(a + 4 * t); }
 static inline vec v_scales_u8(const uint8_t* p) { return lanes_u8(p); }
 static inline vec v_scales_i8(const uint8_t* p) { return lanes_i8(p); }
 static inline __m256i v_columns(vec x) { return x; }
+#define V_(op) _mm256_##op
 #endif
+/* the same operations at either width (V_: the width's intrinsic) */
+static inline vec v_zero(void) { return (vec){0}; }
+static inline vec v_bytes(char c) { return V_(set1_epi8)(c); }
+static inline vec v_and(vec a, vec b) { return a & b; }
+static inline vec v_or(vec a, vec b) { return a | b; }
+#define v_srli16(a, n) V_(srli_epi16)(a, n)
+#define v_slli16(a, n) V_(slli_epi16)(a, n)
+static inline vec v_add(vec a, vec b) { return V_(add_epi32)(a, b); }
+static inline vec v_mul(vec a, vec b) { return V_(mullo_epi32)(a, b); }
 
 /* Q4_K, a group's super-block: d[8] fp16, dmin[8] fp16, scales[8 sub-blocks][8], mins[8][8],
  * then qs[4 (64 values)][4 step pairs][64 bytes, as PAIRS says]: low nibbles sub-block 2k, high 2k + 1 */
