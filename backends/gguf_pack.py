@@ -41,7 +41,7 @@ FILE_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_
 
 def pack(kind: str, raw: np.ndarray, *, pairs: bool) -> np.ndarray:
     """The file's bytes [N, K / block * bytes] -> [ceil(N / 8), K / UNIT[kind], BYTES[kind]] uint8;
-    pairs: the K-quants' step pairs as the AVX-512 build reads them (a column's two steps
+    pairs: the step pairs as the AVX-512 build reads them (a column's two steps
     together), else as the AVX2 build does (a step's 8 columns, then the next's):
     native.gguf_pairs() says which the library built here reads."""
     if kind not in BYTES:
@@ -55,7 +55,7 @@ def pack(kind: str, raw: np.ndarray, *, pairs: bool) -> np.ndarray:
     if UNIT[kind] == 64:
         if blocks.shape[1] % 2:
             raise ValueError(f"{kind}: a row of {blocks.shape[1] * 32} values is not a multiple of 64")
-        return _pack_blocks32(kind, blocks.reshape(groups, GROUP, -1, 2, FILE_BYTES[kind]))
+        return _pack_blocks32(kind, blocks.reshape(groups, GROUP, -1, 2, FILE_BYTES[kind]), pairs)
     nsb = blocks.shape[1]
     b = blocks.reshape(groups, GROUP, nsb, FILE_BYTES[kind])
     minor = lambda field: _minor(field, groups, nsb)  # noqa: E731
@@ -88,13 +88,14 @@ def _minor(field: np.ndarray, groups: int, units: int) -> np.ndarray:
     return np.moveaxis(field, 1, -2).reshape(groups, units, -1)
 
 
-def _pack_blocks32(kind: str, b: np.ndarray) -> np.ndarray:
+def _pack_blocks32(kind: str, b: np.ndarray, pairs: bool) -> np.ndarray:
     """[groups, 8 columns, units, 2 blocks, file bytes] -> [groups, units, BYTES[kind]]:
     d[2][8] | m[2][8] (Q4_1, Q5_1) | qh[2][8][4] (Q5_0, Q5_1) | qs. qs, 4-bit types:
-    [2][4 steps][8][4], the file's 16 bytes a column in steps of 4 (low nibble value
-    4s + i, high 16 + 4s + i); Q8_0: [2][8 steps][8][4], each value plus 128 (unsigned
-    for the op's dot product). qh: bit b of byte i holds the fifth bit of value 4b + i
-    (b < 4) or 16 + 4(b - 4) + i, so a step's bits come out by one shift and mask."""
+    [2][2 step pairs], the file's 16 bytes a column in steps of 4 (low nibble value
+    4s + i, high 16 + 4s + i); Q8_0: [2][4 step pairs], each value plus 128 (unsigned
+    for the op's dot product); each pair as the K-quants' (_steps). qh: bit b of byte i
+    holds the fifth bit of value 4b + i (b < 4) or 16 + 4(b - 4) + i, so a step's bits
+    come out by one shift and mask."""
     groups, units = b.shape[0], b.shape[2]
     minor = lambda field: _minor(field, groups, units)  # noqa: E731
     parts = [b[..., 0:2]]
@@ -111,9 +112,9 @@ def _pack_blocks32(kind: str, b: np.ndarray) -> np.ndarray:
         parts.append(np.packbits(np.moveaxis(planes, -2, -1), axis=-1, bitorder="little")[..., 0])  # [.., 4 bytes]
         at += 4
     if kind == "Q8_0":
-        parts.append((b[..., at:at + 32] ^ np.uint8(0x80)).reshape(*b.shape[:4], 8, 4))
+        parts.append(_steps((b[..., at:at + 32] ^ np.uint8(0x80)).reshape(*b.shape[:4], 4, 8), pairs))
     else:
-        parts.append(b[..., at:at + 16].reshape(*b.shape[:4], 4, 4))
+        parts.append(_steps(b[..., at:at + 16].reshape(*b.shape[:4], 2, 8), pairs))
     # fields [groups, 8, units, 2, (steps,) bytes] -> [groups, units, 2, (steps,) 8, bytes], field by field
     out = np.concatenate([minor(p) for p in parts], axis=-1)
     assert out.shape[-1] == BYTES[kind]

@@ -255,10 +255,9 @@ class Linears:
         return self._add(self._nbits_blocks(x, blk), bias)
 
     def _gguf_op(self, ins: list[str], k: int, n: int, kind: str, **attrs) -> str:
-        """GGUFMatMul, saying how K-quant weights were packed for the library built here."""
-        if kind.endswith("_K"):
-            attrs["pairs"] = int(self._pairs)
-        return self.b.op("GGUFMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[kind], **attrs)
+        """GGUFMatMul, saying how the weights were packed for the library built here."""
+        return self.b.op("GGUFMatMul", *ins, domain=NATIVE_DOMAIN, K=k, N=n, type=GGUF_TYPES[kind],
+                         pairs=int(self._pairs), **attrs)
 
     @cached_property
     def _pairs(self) -> bool:

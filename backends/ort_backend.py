@@ -128,7 +128,7 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
         extra["attention"] = attention
     if native_matmul:
         extra["matmul"] = "native"
-        if precision == "gguf":  # K-quants packed for the library built here (gguf_pack.py)
+        if precision == "gguf":  # weights packed for the library built here (gguf_pack.py)
             extra["pairs"] = int(gguf_pairs())
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)

@@ -164,7 +164,7 @@ def library(kernel: str) -> Path:
 
 
 def gguf_pairs() -> bool:
-    """Whether the library built here reads K-quant step pairs as AVX-512's (a column's
+    """Whether the library built here reads step pairs as AVX-512's (a column's
     two steps together) rather than AVX2's (gguf_blocks.h PAIRS): the lowering packs
     the weights so (gguf_pack.py) and says it in GGUFMatMul's `pairs` attribute."""
     return pairs_of(library("matmul"))

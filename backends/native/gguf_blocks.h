@@ -133,6 +133,21 @@ static inline vec v_scales_i8(const uint8_t* p) {
 }
 /* a sum's 8 columns, one int32 lane each: a column's two lanes added (a 64-bit lane's low half) */
 static inline __m256i v_columns(vec x) { return _mm512_cvtepi64_epi32(_mm512_add_epi64(x, _mm512_srli_epi64(x, 32))); }
+/* Q5's bit planes of 8 columns (a dword each) as the pairs' lanes: each column's twice */
+static inline vec v_planes(const uint8_t* p) {
+  const vec x = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_or_si512(x, _mm512_slli_epi64(x, 32));
+}
+/* step 2p + t's fifth bits at bit 4 of each byte (and bits elsewhere, masked by the caller):
+ * of the low values (plane 2p + t), of the high ones (plane 4 + 2p + t); t per 32-bit lane */
+static inline vec v_fifth_low(vec hb, int p, int t) {
+  (void)t;
+  return _mm512_sllv_epi32(hb, _mm512_set1_epi64(((int64_t)(3 - 2 * p) << 32) | (4 - 2 * p)));
+}
+static inline vec v_fifth_high(vec hb, int p, int t) {
+  (void)t;
+  return _mm512_srlv_epi32(hb, _mm512_set1_epi64(((int64_t)(2 * p + 1) << 32) | (2 * p)));
+}
 #define V_(op) _mm512_##op
 #else
 enum { PAIRS = 0 };
@@ -148,6 +163,10 @@ static inline vec v_acts(const int8_t* a, int t) { return bcast4(a + 4 * t); }
 static inline vec v_scales_u8(const uint8_t* p) { return lanes_u8(p); }
 static inline vec v_scales_i8(const uint8_t* p) { return lanes_i8(p); }
 static inline __m256i v_columns(vec x) { return x; }
+static inline vec v_planes(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+/* (16-bit shifts: what crosses a byte lands below bit 4 or above it, masked by the caller) */
+static inline vec v_fifth_low(vec hb, int p, int t) { return _mm256_slli_epi16(hb, 4 - (2 * p + t)); }
+static inline vec v_fifth_high(vec hb, int p, int t) { return _mm256_srli_epi16(hb, 2 * p + t); }
 #define V_(op) _mm256_##op
 #endif
 /* the same operations at either width (V_: the width's intrinsic) */
@@ -333,11 +352,12 @@ static inline __attribute__((always_inline)) void q6k_block_narrow(const Job* j,
 /* ---- the 32-value block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ---------------------
  * A group's unit of two blocks (gguf_pack.py): d[2][8] fp16, m[2][8] fp16 (Q4_1, Q5_1),
  * qh[2][8 columns][4] (Q5_0, Q5_1: bit b of byte i is the fifth bit of value 4b + i for
- * b < 4, of value 16 + 4(b - 4) + i above), then qs: 4-bit types [2][4 steps][8][4] (a
+ * b < 4, of value 16 + 4(b - 4) + i above), then qs: 4-bit types [2][2 step pairs] (a
  * byte's low nibble value 4s + i, its high one 16 + 4s + i, as in the file), Q8_0
- * [2][8 steps][8][4] stored plus 128. Every value is then unsigned (u), w = d (u - zero)
- * or d u + m: a block's exact integer sum u.a less zero x its activation sum, times d
- * and the row's block scale; a minimum adds m x (the row's scale x its sum). */
+ * [2][4 step pairs] stored plus 128, each pair 64 bytes as PAIRS says (above). Every
+ * value is then unsigned (u), w = d (u - zero) or d u + m: a block's exact integer sum
+ * u.a less zero x its activation sum, times d and the row's block scale; a minimum adds
+ * m x (the row's scale x its sum). */
 static inline int legacy_zero(int type) {
   return type == TYPE_Q8_0 ? 128 : type == TYPE_Q5_0 ? 16 : type == TYPE_Q4_0 ? 8 : 0;
 }
@@ -351,42 +371,47 @@ static inline int legacy_bytes(int type) {
 static inline __attribute__((always_inline)) void legacy_unit(const Job* j, int64_t m0, const int mr, int64_t g,
                                                               int u, const int8_t* const* qa, __m256* acc,
                                                               const int type) {
-  const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(0x10);
+  const vec low = v_bytes(15), bit4 = v_bytes(0x10);
   const int bytes = legacy_bytes(type), zero = legacy_zero(type);
   const uint8_t* b = block_at(j, g, u, bytes);
   const uint8_t* qh = b + 32 + 32 * legacy_min(type);
   const uint8_t* qs = qh + 64 * legacy_high(type);
 #pragma GCC unroll 2
   for (int h = 0; h < 2; h++) {  /* the unit's two blocks */
-    __m256i s0[MR], s1[MR];  /* two chains a row (integer sums: their order is free) */
+    vec s[MR];  /* one exact integer sum a row (two chains were slower at 512 bits: 8 rows spilled) */
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+    for (int r = 0; r < mr; r++) s[r] = v_zero();
     if (type == TYPE_Q8_0) {
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; p++) {
+        vec w[NV];
+        v_pair(qs + h * 256 + p * 64, w);
+#pragma GCC unroll 2
+        for (int t = 0; t < NV; t++)
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; q++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + h * 256 + q * 32));
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-          const __m256i a = bcast4(qa[r] + u * QU + h * QB + 4 * q);
-          if (q & 1) s1[r] = dot4(s1[r], w, a);
-          else s0[r] = dot4(s0[r], w, a);
-        }
+          for (int r = 0; r < mr; r++) {
+            s[r] = v_dot(s[r], w[t], v_acts(qa[r] + u * QU + h * QB + 8 * p, t));
+          }
       }
     } else {
-      const __m256i hb = legacy_high(type) ? _mm256_loadu_si256((const __m256i*)(qh + h * 32)) : low;
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; q++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + h * 128 + q * 32));
-        __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if (legacy_high(type)) {  /* (16-bit shifts: what crosses a byte lands below bit 4) */
-          wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - q), bit4));
-          wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_srli_epi16(hb, q), bit4));
-        }
+      const vec hb = legacy_high(type) ? v_planes(qh + h * 32) : low;
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; p++) {
+        vec v[NV];
+        v_pair(qs + h * 128 + p * 64, v);
+#pragma GCC unroll 2
+        for (int t = 0; t < NV; t++) {
+          vec wl = v_and(v[t], low), wh = v_and(v_srli16(v[t], 4), low);
+          if (legacy_high(type)) {
+            wl = v_or(wl, v_and(v_fifth_low(hb, p, t), bit4));
+            wh = v_or(wh, v_and(v_fifth_high(hb, p, t), bit4));
+          }
 #pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-          const int8_t* a = qa[r] + u * QU + h * QB + 4 * q;
-          s0[r] = dot4(s0[r], wl, bcast4(a));
-          s1[r] = dot4(s1[r], wh, bcast4(a + 16));
+          for (int r = 0; r < mr; r++) {
+            const int8_t* a = qa[r] + u * QU + h * QB + 8 * p;
+            s[r] = v_dot(s[r], wl, v_acts(a, t));
+            s[r] = v_dot(s[r], wh, v_acts(a + 16, t));
+          }
         }
       }
     }
@@ -397,7 +422,7 @@ static inline __attribute__((always_inline)) void legacy_unit(const Job* j, int6
       const size_t blk = (size_t)(m0 + r) * j->nab + 2 * u + h;
       const float ad = j->ad[blk];
       const int sum = j->bs32[blk];
-      __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
+      __m256i isum = v_columns(s[r]);
       if (zero) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(zero * sum));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(ad)), acc[r]);
       if (legacy_min(type)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ad * (float)sum), acc[r]);

@@ -27,14 +27,14 @@
  *          super-block: 1184 bytes for Q4_K, 1696 for Q6_K), bias (optional) [N] float.
  * Output:  Y [..., N] float: A W^T + bias.
  * Attributes: K (a multiple of 256), N, type (ggml's numbering: 12 Q4_K, 14 Q6_K),
- *          pairs (default 0: K-quants' step-pair layout, which must be this build's
- *          PAIRS, gguf_blocks.h: 1 where it is AVX-512's), gated (default 0). Gated: B holds 2 ceil(N / 8) groups, a gate projection's
+ *          pairs (default 0: the step-pair layout B was packed in, which must be this
+ *          build's PAIRS, gguf_blocks.h: 1 where it is AVX-512's), gated (default 0). Gated: B holds 2 ceil(N / 8) groups, a gate projection's
  *          group then an up projection's group of the same 8 columns (gguf_pack.py's
  *          pack_gated), and Y = silu(A G^T) * (A U^T): an MLP's gate, up and
  *          activation in one op, with no [.., 2N] tensor between (no bias).
- * Written with 256-bit AVX2, and for the K-quants' dot products 512-bit AVX-512 VNNI
- * where the host has it (twice the products an instruction); where the host has VNNI
- * its dot product saves two instructions.
+ * Written with 256-bit AVX2, and for the dot products 512-bit AVX-512 VNNI where the
+ * host has it (twice the products an instruction); where the host has only AVX-VNNI
+ * its 256-bit dot product saves two instructions.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -205,7 +205,7 @@ static void task(void* arg, size_t t) {
 
 typedef struct { const OrtApi* api; int64_t K, N, type, gated, pairs; } Kernel;
 
-/* the K-quant step-pair layout this build reads (gguf_blocks.h): the lowering asks it
+/* the step-pair layout this build reads (gguf_blocks.h): the lowering asks it
  * (backends/native/__init__.py gguf_pairs) and packs the weights so */
 __attribute__((visibility("default"))) int hetero_sd_gguf_pairs(void) { return PAIRS; }
 
@@ -291,11 +291,11 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   if (!st && (!known || k->K <= 0 || k->K % unit_values(k->type) || k->N <= 0))
     st = api->CreateStatus(ORT_INVALID_ARGUMENT, "GGUFMatMul: type 12 (Q4_K) or 14 (Q6_K) with K a multiple of 256, "
                                                  "or 2, 3, 6, 7, 8 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with K a multiple of 64");
-  if (!st && kquant(k->type) && k->pairs != PAIRS)
+  if (!st && k->pairs != PAIRS)
     st = api->CreateStatus(ORT_INVALID_ARGUMENT, PAIRS
-        ? "GGUFMatMul: K-quant weights packed for the AVX2 build (pairs 0); this build is AVX-512's (pairs 1): "
+        ? "GGUFMatMul: weights packed for the AVX2 build (pairs 0); this build is AVX-512's (pairs 1): "
           "lower the graph on this host again"
-        : "GGUFMatMul: K-quant weights packed for the AVX-512 build (pairs 1); this build is AVX2's (pairs 0): "
+        : "GGUFMatMul: weights packed for the AVX-512 build (pairs 1); this build is AVX2's (pairs 0): "
           "lower the graph on this host again");
   if (st) { free(k); return st; }
   *out = k;

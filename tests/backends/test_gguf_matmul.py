@@ -49,15 +49,15 @@ def _raw(rng, kind, n, k, noise=False):
 def _session(lib, kind, k, n, raw, threads=2, packed=None, bias=None, up=None, type_id=None, pairs=None):
     """The op over the file's bytes `raw` (packed as the lowering packs them for `lib`),
     or over `packed` as given; with `bias`, or gated with `up` (then `raw` is the gate);
-    type_id: the op's type attribute, where not kind's; pairs: its pairs attribute
-    (K-quants), where not the library's."""
+    type_id: the op's type attribute, where not kind's; pairs: its pairs attribute,
+    where not the library's."""
     import onnxruntime as ort
 
     built = native.pairs_of(lib)
     if packed is None:
         packed = gguf_pack.pack(kind, raw, pairs=built) if up is None else \
             gguf_pack.pack_gated(kind, raw, up, pairs=built)
-    attrs = {"pairs": int(built if pairs is None else pairs)} if kind in KQUANTS else {}
+    attrs = {"pairs": int(built if pairs is None else pairs)}
     inits = [numpy_helper.from_array(packed, "B")]
     if bias is not None:
         inits.append(numpy_helper.from_array(bias, "bias"))
@@ -198,8 +198,9 @@ def test_bad_shapes_and_types_are_clear_errors(library):
         _session(library, "Q4_K", 256, 8, raw, packed=packed, up=raw).run(None, {"A": np.zeros((2, 256), np.float32)})
     other = "AVX2 build \\(pairs 0\\); this build is AVX-512's" if native.pairs_of(library) else \
         "AVX-512 build \\(pairs 1\\); this build is AVX2's"
-    with pytest.raises(Exception, match=f"GGUFMatMul: K-quant weights packed for the {other} .*: lower the graph"):
-        _session(library, "Q6_K", 256, 8, _raw(rng, "Q6_K", 8, 256), pairs=not native.pairs_of(library))
+    for kind in ("Q6_K", "Q5_0"):
+        with pytest.raises(Exception, match=f"GGUFMatMul: weights packed for the {other} .*: lower the graph"):
+            _session(library, kind, 256, 8, _raw(rng, kind, 8, 256), pairs=not native.pairs_of(library))
     with pytest.raises(Exception, match=r"GGUFMatMul: bias \[N\]"):
         _session(library, "Q4_K", 256, 8, raw, bias=np.zeros(7, np.float32)).run(None, {"A": np.zeros((2, 256), np.float32)})
     with pytest.raises(ValueError, match="GGUFMatMul holds Q4_K, Q6_K, Q4_0, .*, not Q5_K"):
@@ -212,7 +213,8 @@ def test_bad_shapes_and_types_are_clear_errors(library):
 
 def test_the_two_step_pair_layouts_hold_the_same_bytes():
     """AVX-512's layout (a column's two steps together) and AVX2's (a step's 8 columns,
-    then the next's) differ only in the order of 4-byte words within each step pair."""
+    then the next's) differ only in the order of 4-byte words within each step pair,
+    for every type."""
     rng = np.random.default_rng(4)
     for kind, at in (("Q4_K", 160), ("Q6_K", 0)):
         raw = _raw(rng, kind, 16, 512, noise=True)
@@ -223,9 +225,13 @@ def test_the_two_step_pair_layouts_hold_the_same_bytes():
         assert np.array_equal(wide[..., span.stop:], narrow[..., span.stop:])
         words = lambda x: x[..., span].reshape(*x.shape[:2], -1, 2, 8, 4)  # noqa: E731 [pair][2 steps][8 columns][4]
         assert np.array_equal(words(narrow), words(wide).reshape(*wide.shape[:2], -1, 8, 2, 4).swapaxes(-3, -2))
-    for kind in BLOCKS32:  # no steps in pairs: one layout
+    for kind in BLOCKS32:  # qs (its last 256 or 512 bytes) in pairs alike
         raw = _raw(rng, kind, 16, 512, noise=True)
-        assert np.array_equal(gguf_pack.pack(kind, raw, pairs=True), gguf_pack.pack(kind, raw, pairs=False))
+        wide, narrow = gguf_pack.pack(kind, raw, pairs=True), gguf_pack.pack(kind, raw, pairs=False)
+        qs = 512 if kind == "Q8_0" else 256
+        assert np.array_equal(wide[..., :-qs], narrow[..., :-qs]) and not np.array_equal(wide, narrow)
+        words = lambda x: x[..., -qs:].reshape(*x.shape[:2], -1, 2, 8, 4)  # noqa: E731
+        assert np.array_equal(words(narrow), words(wide).reshape(*wide.shape[:2], -1, 8, 2, 4).swapaxes(-3, -2))
 
 
 def test_types_it_covers():
