@@ -129,11 +129,12 @@ def _read(folder: Path | None) -> dict | None:
 
 
 def cached_choices(root: Path) -> list[tuple[str, Choice]]:
-    """(label, choice) of every choice cached under `root` for this host, sorted."""
-    host, out = host_signature(), []
-    for path in sorted(root.glob(f"*/{_FILE}")):
+    """(label, choice) cached under `root` for this host, the latest of each label (an
+    earlier graph version's or runtime's choice is stale, not a second answer), sorted."""
+    host, latest = host_signature(), {}
+    for path in sorted(root.glob(f"*/{_FILE}"), key=lambda p: p.stat().st_mtime_ns):
         got = _read(path.parent)
         if got is not None and got.get("host") == host:
             choice = Choice(got["chosen"], tuple(Timing(*t) for t in got["timings"]), "cached")
-            out.append((got.get("label") or path.parent.name, choice))
-    return sorted(out, key=lambda item: item[0])
+            latest[got.get("label") or path.parent.name] = choice
+    return sorted(latest.items(), key=lambda item: item[0])

@@ -6,6 +6,8 @@ listed by hetero-sd devices. The timings here are faked where the test needs one
 outcome (the real figures are the host's); time_runner itself runs for real."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -138,7 +140,8 @@ def test_time_runner_measures_and_leaves_the_runner_as_it_was(tiny_model_dir, mo
 
 
 def test_choice_cache_round_trip_and_listing(tmp_path, monkeypatch):
-    """What hetero-sd devices lists; a broken or other candidates' entry is timed again."""
+    """What hetero-sd devices lists (the latest choice of each model and placement); a
+    broken or other candidates' entry is timed again."""
     folder = tmp_path / "m-1"
     choice = kernel_timing.choose([kernel_timing.Timing("BlockMatMul", 0.020, 0.031),
                                    kernel_timing.Timing("MatMulNBits", 0.018, 0.040)])
@@ -150,6 +153,11 @@ def test_choice_cache_round_trip_and_listing(tmp_path, monkeypatch):
     listed = [(label, c.describe()) for label, c in kernel_timing.cached_choices(tmp_path)]
     assert listed == [("tiny int4", "cached on this host: BlockMatMul 20.00/31.00 ms, MatMulNBits 18.00/40.00 ms "
                                     "(one row / 5 rows)")]
+    later = kernel_timing.choose([kernel_timing.Timing("BlockMatMul", 0.030, 0.041),
+                                  kernel_timing.Timing("MatMulNBits", 0.018, 0.040)])
+    kernel_timing.write_choice(tmp_path / "m-0", later, "tiny int4")  # another key (a newer graph), written later
+    os.utime(tmp_path / "m-0" / "kernel_choice.json", ns=(2 * 10**18, 2 * 10**18))
+    assert [(label, c.chosen) for label, c in kernel_timing.cached_choices(tmp_path)] == [("tiny int4", "MatMulNBits")]
     (folder / "kernel_choice.json").write_text("{not json")
     assert kernel_timing.cached_choice(folder, ("MatMulNBits", "BlockMatMul")) is None
 
