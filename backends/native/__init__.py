@@ -44,8 +44,8 @@ MARCH_ENV = "HETERO_SD_NATIVE_CFLAGS"  # extra compiler flags (tests build the A
 DOMAIN = "hetero_sd.native"  # the custom ops' domain (register.c)
 ENV = "HETERO_SD_NATIVE"  # which kernels: "matmul", "attention", both ("1", "all"), none ("0")
 KERNELS = ("matmul", "attention")
-# where BlockMatMul runs: "auto", only where MatMulNBits needs padded calls on the host
-# (the row check's verdict: ort_backend.OrtRunner._load), or "always"
+# where our matmuls run: "auto", where they are the faster exact path on the host (timed
+# once against MatMulNBits: kernel_timing.py, ort_backend.OrtRunner._load), or "always"
 MATMUL_ENV = "HETERO_SD_NATIVE_MATMUL"
 MATMUL_POLICIES = ("auto", "always")
 DEFAULT = KERNELS  # with ENV unset
