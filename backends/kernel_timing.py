@@ -14,8 +14,9 @@ CONTEXT-token prefix, each the best of REPEATS (this host is shared and noisy;
 the minimum is the figure least disturbed). The one whose step plus verify is
 the lower runs: the step is what target-only decode pays, the verify what a
 speculative round pays. The choice and its figures are cached (ir.cache) under
-the host's signature, the runtime and the candidates' graphs, so a later load
-opens the chosen graph at once; `hetero-sd devices` lists the choices,
+the host's signature, both runtimes and the model's lowering (not its graphs'
+extra outputs: ort_backend.OrtRunner._choice_folder), so a later load opens the
+chosen graph at once; `hetero-sd devices` lists the choices,
 `kernel_choice` (and so `hetero-sd profile`) says which runs and why.
 """
 from __future__ import annotations
@@ -100,6 +101,10 @@ def cached_choice(folder: Path | None, names: tuple[str, ...]) -> Choice | None:
     got = _read(folder)
     if got is None or sorted(got["names"]) != sorted(names):
         return None
+    return _cached(got)
+
+
+def _cached(got: dict) -> Choice:
     return Choice(got["chosen"], tuple(Timing(*t) for t in got["timings"]), "cached")
 
 
@@ -135,6 +140,5 @@ def cached_choices(root: Path) -> list[tuple[str, Choice]]:
     for path in sorted(root.glob(f"*/{_FILE}"), key=lambda p: p.stat().st_mtime_ns):
         got = _read(path.parent)
         if got is not None and got.get("host") == host:
-            choice = Choice(got["chosen"], tuple(Timing(*t) for t in got["timings"]), "cached")
-            latest[got.get("label") or path.parent.name] = choice
+            latest[got.get("label") or path.parent.name] = _cached(got)
     return sorted(latest.items(), key=lambda item: item[0])
