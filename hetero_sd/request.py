@@ -103,6 +103,7 @@ class Request:
         self._step: VerifyRequest | None = None  # the step proposed and not yet accepted
         self._step_at, self._step_draft_s, self._step_speculating = 0.0, None, False
         self._step_lookup = False  # the step's drafts came from a lookup (DraftResult.lookup)
+        self._step_catch_up = 0.0  # of the step's draft seconds, taking in context (DraftResult.catch_up_s)
 
     @property
     def last_draft_s(self) -> float | None:
@@ -296,7 +297,7 @@ class Request:
         if self._take_events():  # a failover in this call: its time is not a draft cost
             seconds = None
         self.told = len(ids)
-        self._step_lookup = proposal.lookup
+        self._step_lookup, self._step_catch_up = proposal.lookup, proposal.catch_up_s
         drafts = proposal.tokens[:k]
         probs = None if proposal.probs is None else proposal.probs[:len(drafts)]
         if self.constrainer is not None:
@@ -314,7 +315,7 @@ class Request:
         if self._step_lookup:  # a hybrid's lookup round: no draft step was taken to price
             draft_s = None
         if self._step_speculating:  # (target-only rounds feed no policy)
-            self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
+            self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s, catch_up_s=self._step_catch_up)
             self.drafter.observe(drafted, accepted)
 
     def _take_events(self) -> list[str]:

@@ -5,10 +5,12 @@ The contract, which every policy has: `next_k`, `observe`, `reset`,
 fixed k ignores it) and `draft_prices()` (what a draft's verify row and a draft
 step cost, for a draft model that stops where drafts no longer pay; None where
 the policy knows no costs). The engine calls `next_k(remaining)` before each round and
-`observe(drafted, accepted, draft_s, verify_s)` after its verify, where
+`observe(drafted, accepted, draft_s, verify_s, catch_up_s)` after its verify, where
 drafted is how many drafts the target actually verified (the n-gram drafter
 may return fewer than asked, or none), accepted how many of them it kept,
-and the optional timings are the seconds the drafter and the verify took.
+and the optional timings are the seconds the drafter and the verify took
+(catch_up_s: the part of the draft's that took in context it had not drafted,
+DraftResult.catch_up_s, which does not price later draft steps).
 Policies are deterministic functions of those observations: no clock, no
 randomness inside.
 """
@@ -44,11 +46,11 @@ class FixedDraftLength:
         return max(0, min(self.k, remaining))
 
     def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
-                verify_s: float | None = None) -> None:
+                verify_s: float | None = None, catch_up_s: float = 0.0) -> None:
         """Acceptance does not change k; the timings price the next rounds' drafts
         (a draft model's round makes about one draft step per proposed draft)."""
         if draft_s is not None and drafted:
-            self._draft.observe(drafted, draft_s)
+            observe_draft(self._draft, drafted, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
         self._rounds += 1
@@ -67,6 +69,16 @@ class FixedDraftLength:
         if self._prices is None:
             self._prices = RoundCost(self._verify.snapshot(self.k + 1), self._draft.snapshot(self.k)).prices(self.k)
         return self._prices
+
+
+def observe_draft(curve: "OnlineCurve", steps: int, draft_s: float, catch_up_s: float) -> None:
+    """Price a round's draft steps by its draft time, less the first call where it took
+    in context the drafter had not drafted (DraftResult.catch_up_s: a one-off, the
+    first draft step inside it); a round that was all catch-up prices nothing."""
+    if catch_up_s > 0:
+        steps, draft_s = steps - 1, max(0.0, draft_s - catch_up_s)
+    if steps > 0:
+        curve.observe(steps, draft_s)
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a
@@ -285,7 +297,7 @@ class AdaptiveDraftLength:
         return self._asked
 
     def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
-                verify_s: float | None = None) -> None:
+                verify_s: float | None = None, catch_up_s: float = 0.0) -> None:
         asked = drafted if self._asked is None else max(self._asked, drafted)
         self._asked = None
         self._acceptance.observe(drafted, accepted)  # validates; a round without drafts is no evidence
@@ -294,7 +306,7 @@ class AdaptiveDraftLength:
         if asked > 0:  # how often the drafter finds anything (n-gram misses)
             self.hit_rate += self.hit_smoothing * ((1.0 if drafted else 0.0) - self.hit_rate)
             if draft_s is not None:
-                self._draft.observe(asked, draft_s)
+                observe_draft(self._draft, asked, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
             self._timed = True

@@ -28,7 +28,7 @@ import numpy as np
 
 from hetero_sd.backends.base import Runner
 from hetero_sd.drafting.base import Drafter
-from hetero_sd.drafting.model import DraftStop, greedy_prob, sync_cache
+from hetero_sd.drafting.model import CatchUpClock, DraftStop, greedy_prob, sync_cache
 from hetero_sd.ir.errors import ConfigError, KVBudgetError
 from hetero_sd.ir.work import DraftRequest, DraftResult
 from hetero_sd.sampling import draw
@@ -195,17 +195,20 @@ class CrossVocabDrafter(Drafter):
         if not ids or len(ids) + req.k > self._capacity:
             return DraftResult(req.seq_id, [], None)
         feed = sync_cache(self.runner, self._seq, self._cached, ids)
+        clock = CatchUpClock(len(feed))
         if self._sampler is None:
-            drafted = self._greedy(feed, req.k, DraftStop(self.min_prob, req))
-            return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None)
-        tokens, probs = self._intersection(feed, req.k)
-        return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None)
+            drafted = self._greedy(feed, req.k, DraftStop(self.min_prob, req), clock)
+            return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None,
+                               catch_up_s=clock.seconds)
+        tokens, probs = self._intersection(feed, req.k, clock)
+        return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None, catch_up_s=clock.seconds)
 
-    def _greedy(self, feed: list[int], k: int, stop: DraftStop) -> list[int]:
+    def _greedy(self, feed: list[int], k: int, stop: DraftStop, clock: CatchUpClock) -> list[int]:
         """Up to k draft tokens, as far as the stop rule goes (model.DraftStop)."""
         out = []
         for i in range(k):
             token, prob = greedy_prob(self.runner, self._seq, feed, len(self._cached), stop.needs_prob)
+            clock.first_call_done()
             self._cached.extend(feed)
             propose, go_on = stop.take(i, prob)
             if propose:
@@ -215,10 +218,11 @@ class CrossVocabDrafter(Drafter):
                 break
         return out
 
-    def _intersection(self, feed: list[int], k: int) -> tuple[list[int], list[np.ndarray]]:
+    def _intersection(self, feed: list[int], k: int, clock: CatchUpClock) -> tuple[list[int], list[np.ndarray]]:
         tokens, probs = [], []
         for _ in range(k):
             logits = self.runner.forward(self._seq, feed, len(self._cached), 1)
+            clock.first_call_done()
             q = self._sampler.probs(logits)[-1]
             if not np.isfinite(q).all():
                 raise FloatingPointError(f"{self.name}: the draft model's distribution is not finite")

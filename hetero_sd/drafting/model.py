@@ -11,6 +11,7 @@ longest common prefix of what is cached and what is committed.
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -62,11 +63,13 @@ class ModelDrafter(Drafter):
         if self._seq is None:
             raise RuntimeError("ModelDrafter.begin must be called before draft")
         feed, out, probs = self._sync(context), [], []
+        clock = CatchUpClock(len(feed))
         # The guide is the engine's: the walk over the drafts is undone on the way out.
         with self._guide.walking() if self._guide is not None else nullcontext() as step:
             stop = DraftStop(self.min_prob, req)
             for i in range(req.k):
                 token, q, sure = self._next(feed, stop, i)
+                clock.first_call_done()
                 if token is None:
                     break
                 if q is not None:
@@ -84,7 +87,7 @@ class ModelDrafter(Drafter):
                         break
                 if not sure:  # (the stop rule: what would follow is not worth a draft step)
                     break
-        return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
+        return DraftResult(req.seq_id, out, np.stack(probs) if probs else None, catch_up_s=clock.seconds)
 
     def _next(self, feed: list[int], stop: "DraftStop", i: int):
         """Draft i: the token, the q it was drawn from (None when greedy), and whether
@@ -121,6 +124,26 @@ def sync_cache(runner: Runner, seq: int, cached: list[int], context) -> list[int
     runner.truncate(seq, common)
     del cached[common:]
     return list(context[common:])
+
+
+# A round's feed is at most 2 tokens when the drafter drafted the round before (its last
+# draft and the bonus; a few more across tokenizers): a longer one holds context it did
+# not draft, its prompt or a copy a hybrid's lookup served.
+CATCH_UP = 4
+
+
+class CatchUpClock:
+    """The seconds of a round's first draft call where its feed was long (> CATCH_UP):
+    DraftResult.catch_up_s. Taking in a prompt or a long copy is a one-off; priced
+    as a draft step it made a 0.5B's step look 5 times dearer, and `k: auto` then
+    turned drafting off (each probe's catch-up confirming the price)."""
+
+    def __init__(self, feed_len: int):
+        self.seconds, self._t0 = 0.0, time.perf_counter() if feed_len > CATCH_UP else None
+
+    def first_call_done(self) -> None:
+        if self._t0 is not None:
+            self.seconds, self._t0 = time.perf_counter() - self._t0, None
 
 
 def greedy_prob(runner: Runner, seq: int, feed: list[int], start: int, want_prob: bool) -> tuple[int, float]:

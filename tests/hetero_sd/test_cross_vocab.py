@@ -397,10 +397,10 @@ def test_a_hybrids_lookup_rounds_do_not_price_a_draft_step(tiny_model_dir, tmp_p
     hybrid, seen, served = engine._drafter.default, [], [None]
     observe, draft = engine.policy.observe, hybrid.draft
 
-    def spy_observe(drafted, accepted, draft_s=None, verify_s=None):
+    def spy_observe(drafted, accepted, draft_s=None, verify_s=None, catch_up_s=0.0):
         seen.append((drafted, draft_s, served[0]))  # (which drafter served the round's drafts)
         served[0] = None
-        observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s)
+        observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s)
 
     def spy_draft(req):
         before = dict(hybrid.picks)

@@ -104,3 +104,57 @@ def test_min_prob_auto_in_a_config(tmp_path):
     path.write_text("drafter: {kind: model, model: default, min_prob: sometimes}\n")
     with pytest.raises(ConfigError, match="min_prob"):
         load_config(path)
+
+
+class _TimedTable(TableRunner):
+    """A table model whose calls take 2 ms a token fed, as a real model's prefill would."""
+
+    def forward(self, seq_id, tokens, start, num_logits):
+        import time
+        time.sleep(0.002 * len(tokens))
+        return super().forward(seq_id, tokens, start, num_logits)
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["same-vocab", "cross-vocab"])
+def test_a_draft_model_reports_the_catch_up_apart_from_its_draft_steps(cross):
+    """The first round takes in the prompt with its first draft: that call's seconds are
+    DraftResult.catch_up_s. A round after a drafted one feeds its last draft and the bonus
+    and reports none, as does a round after a lookup's short copy (<= CATCH_UP tokens)."""
+    from hetero_sd.drafting.model import CATCH_UP
+
+    draft = _TimedTable(4, seed=3, scale=1.0)
+    drafter = CrossVocabDrafter(draft, _bridge(), min_prob=0.0) if cross else ModelDrafter(draft, 4, min_prob=0.0)
+    drafter.begin(256)
+    prompt = [0, 1, 2] * 8  # 24 tokens
+    first = drafter.draft(DraftRequest(0, 0, 3, prompt, context=prompt))
+    assert len(first.tokens) == 3
+    assert 0.002 * len(prompt) <= first.catch_up_s < 0.002 * len(prompt) + 0.05, first.catch_up_s
+    ctx = prompt + first.tokens + [0]  # all accepted, and a bonus token
+    steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):], context=ctx))
+    assert len(steady.tokens) == 3 and steady.catch_up_s == 0.0
+    ctx2 = ctx + steady.tokens[:1] + [1] * (CATCH_UP + 6)  # one accepted, then a copy the drafter did not draft
+    behind = drafter.draft(DraftRequest(0, len(ctx), 3, ctx2[len(ctx):], context=ctx2))
+    assert behind.catch_up_s >= 0.002 * (CATCH_UP + 1), behind.catch_up_s  # (fewer across tokenizers)
+
+
+def test_the_request_hands_the_catch_up_to_the_policy():
+    """The engine passes each round's catch-up to the policy beside the draft's seconds,
+    and the output stays the target's."""
+    from hetero_sd.scheduler import AdaptiveDraftLength
+
+    target = TableRunner(4, seed=0)
+    prompt = [0, 1, 2] * 8
+    alone = Engine(target, None).generate_ids(prompt, 20).token_ids
+    policy, seen = AdaptiveDraftLength(4), []
+    observe = policy.observe
+
+    def spy(drafted, accepted, draft_s=None, verify_s=None, catch_up_s=0.0):
+        seen.append((drafted, draft_s, catch_up_s))
+        observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s)
+
+    policy.observe = spy
+    engine = Engine(target, ModelDrafter(_TimedTable(4, seed=3, scale=1.0), 4), policy=policy)
+    assert engine.generate_ids(prompt, 20).token_ids == alone
+    drafted = [(d, s, c) for d, s, c in seen if d]
+    assert drafted[0][2] >= 0.002 * len(prompt) and drafted[0][1] >= drafted[0][2], drafted
+    assert all(c <= s for _, s, c in drafted), drafted  # (a part of the round's draft seconds)
