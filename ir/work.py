@@ -149,9 +149,9 @@ class DraftResult(_Record):
     # not price the next rounds' draft steps (min_prob: auto). In-process only.
     lookup: bool = field(default=False, kw_only=True, compare=False, metadata={"wire": False})
     # Seconds of the call that took in context the drafter had not drafted (a draft model's
-    # prompt, or a copy a hybrid's lookup served) together with the first draft: a one-off,
-    # so it does not price the draft steps of later rounds (the policy prices the rest;
-    # timed only where such a feed was long, drafting/model.py CATCH_UP). In-process only.
+    # prompt, a copy a hybrid's lookup served, a head's features of either) together with
+    # the first draft: a one-off, so it does not price the draft steps of later rounds (the
+    # policy prices the rest; drafting/model.py CatchUpClock, drafting/head.py). In-process only.
     catch_up_s: float = field(default=0.0, kw_only=True, compare=False, metadata={"wire": False})
 
 

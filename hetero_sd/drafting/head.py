@@ -16,6 +16,7 @@ draft vocabulary, over the target's own token ids.
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -59,6 +60,7 @@ class HeadDrafter(Drafter):
         self.first = 0  # the first of them (later than 0 after a gap in the features)
         self._last = None  # (pre-norm output, logits) of pair `pairs - 1`: the first draft comes from it
         self._pending, self._pending_at = None, 0  # features not yet run, from position _pending_at
+        self._drafted = 0  # drafts the last draft call proposed (0: a round another drafter served)
         self._sampler = self._guide = None
 
     def draft(self, req: DraftRequest) -> DraftResult:
@@ -74,11 +76,20 @@ class HeadDrafter(Drafter):
         n = len(ctx)
         self._stash(req.features, kept, n)
         if req.k < 1:
+            self._drafted = 0
             return DraftResult(req.seq_id, [])
+        # more pending pairs than its own drafts and a bonus: committed text the head did not
+        # draft (a copy, rounds without drafts), a one-off that does not price draft steps
+        behind = self._pending is not None and len(self._pending) > self._drafted + 1
+        t0 = time.perf_counter()
         self._extend(ctx)
+        catch_up_s = time.perf_counter() - t0 if behind else 0.0
         if self._last is None or self.pairs != n - 1:
+            self._drafted = 0
             return DraftResult(req.seq_id, [])  # no features for the newest position: nothing to draft from
-        return self._draft(req.seq_id, req.k, n - 1)
+        result = self._draft(req.seq_id, req.k, n - 1)
+        self._drafted, result.catch_up_s = len(result.tokens), catch_up_s
+        return result
 
     def _stash(self, features, kept: int, n: int) -> None:
         """Keep features (those of the positions just before the newest tokens) until a draft runs them."""

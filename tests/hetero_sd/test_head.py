@@ -222,6 +222,26 @@ def test_hybrid_is_lossless_and_uses_both_drafters(trained, tmp_path):
     assert 0 < accepted < drafted
 
 
+def test_a_head_reports_its_catch_up_only_after_text_it_did_not_draft(trained, tmp_path):
+    """The first draft runs the prompt's features with it (DraftResult.catch_up_s > 0); a
+    round after the head's own drafts runs at most those and the bonus (none reported)."""
+    model, out = trained[:2]
+    engine = _with_k(Engine.from_config(_yaml(tmp_path, model, f"{{kind: head, head: {out}, k: 2}}")), 2)
+    head, results = engine.drafter, []
+    draft = head.draft
+
+    def spy(req):
+        got = draft(req)
+        results.append(got)
+        return got
+
+    head.draft = spy
+    base = engine.generate_ids(engine.encode(UNSEEN[0]), 24, target_only=True)
+    assert engine.generate_ids(engine.encode(UNSEEN[0]), 24).token_ids == base.token_ids
+    assert results[0].catch_up_s > 0 and len(results) > 3, results
+    assert all(r.catch_up_s == 0.0 for r in results[1:]), [r.catch_up_s for r in results]
+
+
 def test_int8_head_loads_close_to_its_fp32_form_and_stays_lossless(trained, tmp_path):
     """The shipped form: int8 rows with a scale each, a quarter of the bytes, the same drafts
     within rounding, and greedy output unchanged."""
