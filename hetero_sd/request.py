@@ -178,7 +178,7 @@ class Request:
             k = 1  # the padded call computes a second row anyway: a lookup's draft rides in it
         # the first draft's row is free in a padded call: proposed even where the drafter is unsure
         free = 1 if alone and self._padded_greedy() else 0
-        self._step_lookup = False
+        self._step_lookup, self._step_catch_up = False, 0.0
         drafts, draft_probs, draft_s = self._draft(k, free) if k > 0 else ([], None, None)
         if self.constrainer is not None:
             self.constrainer.prepare(drafts)
