@@ -128,7 +128,7 @@ def test_a_draft_model_reports_the_catch_up_apart_from_its_draft_steps(cross):
     prompt = [0, 1, 2] * 8  # 24 tokens
     first = drafter.draft(DraftRequest(0, 0, 3, prompt, context=prompt))
     assert len(first.tokens) == 3
-    assert 0.002 * len(prompt) <= first.catch_up_s < 0.002 * len(prompt) + 0.05, first.catch_up_s
+    assert first.catch_up_s >= 0.002 * len(prompt), first.catch_up_s  # (the prompt's call: 2 ms a token)
     ctx = prompt + first.tokens + [0]  # all accepted, and a bonus token
     steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):], context=ctx))
     assert len(steady.tokens) == 3 and steady.catch_up_s == 0.0
