@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -59,10 +59,6 @@ def complete(base: str, ids: list[int], new: int) -> dict:
     return got
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> dict:
     from hetero_sd.bench.prompts import load_prompts
     from hetero_sd.config import resolve_model
@@ -81,6 +77,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ours", type=Path, default=None, help="a hetero-sd bench bench.json to compare outputs with")
     ap.add_argument("--json", type=Path, default=None)
     opts = ap.parse_args(argv)
+    # checked before any server starts, so a bad flag loses no mode's measurements
+    modes = opts.modes.split(",")
+    if any(m not in MODES for m in modes):
+        ap.error(f"--modes {opts.modes!r}: each one of {', '.join(MODES)}")
+    if "draft-simple" in modes and not opts.draft_model:
+        ap.error("mode draft-simple needs --draft-model (or leave it out of --modes)")
+    if not (opts.llamacpp_bin / "llama-server").is_file():
+        ap.error(f"no llama-server in {opts.llamacpp_bin} (docs/benchmarks.md builds it)")
     model = Path(resolve_model(opts.model, None))
     draft = Path(resolve_model(opts.draft_model, None)) if opts.draft_model else None
     prompts = load_prompts(opts.prompts)
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if r["run"] == "ours target-only"}
     ctx = max(len(v) for v in ids.values()) + opts.max_new_tokens + 64
     out: dict = {"model": model.name, "draft": draft.name if draft else None, "threads": cores(), "runs": {}}
-    for mode in opts.modes.split(","):
+    for mode in modes:
         port = free_port()
         log = Path(tempfile.gettempdir()) / f"llama-server-{mode}.log"
         rows = []
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
             acc = f"{sum(r['accepted'] for r in sel) / drafted:.0%}" if drafted else "-"
             same = f"{sum(r['tokens'] == plain.get(r['id']) for r in sel)}/{len(sel)}" if plain else "-"
             vs_ours = f"{sum(r['tokens'] == ours.get(r['id']) for r in sel)}/{len(sel)}" if ours else "-"
-            print(f"| {mode} | {kind} | {geomean([r['decode_tok_s'] for r in sel]):.1f} | {acc} | {same} | {vs_ours} |")
+            print(f"| {mode} | {kind} | {statistics.geometric_mean([r['decode_tok_s'] for r in sel]):.1f} | {acc} | {same} | {vs_ours} |")
     if opts.json:
         opts.json.write_text(json.dumps(out, indent=1))
     return out

@@ -94,3 +94,15 @@ def test_a_run_against_a_fake_server(tiny_model_dir, tmp_path, capsys):
     assert f"| ngram-simple | all | 50.0 | 80% | {n}/{n} | {n - 1}/{n} |" in table
     assert f"| draft-simple | all | 50.0 | 80% | {n - odd}/{n} |" in table
     assert set(json.loads((tmp_path / "out.json").read_text())["runs"]) == set(bench.MODES)
+
+
+def test_bad_flags_fail_before_any_server_starts(tmp_path, capsys):
+    """A draft mode without a draft model, an unknown mode or a folder without llama-server is
+    refused up front, so no measured mode is lost to a later error."""
+    (tmp_path / "llama-server").write_text("#!/bin/sh\nexit 1\n")
+    for argv, said in ((["--modes", "plain,draft-simple"], "needs --draft-model"),
+                       (["--modes", "plain,lookup"], "each one of"),
+                       (["--modes", "plain", "--llamacpp-bin", str(tmp_path / "nowhere")], "no llama-server in")):
+        with pytest.raises(SystemExit):
+            bench.main(["--llamacpp-bin", str(tmp_path), "--model", "default", *argv])
+        assert said in capsys.readouterr().err
