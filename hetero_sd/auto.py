@@ -150,7 +150,7 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
 
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":
-            return suffix_spec(d) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
+            return suffix_spec(cfg) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
         spec = replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=draft_min_prob(d))
         # (a draft of another tokenizer drafts through the text, here as in build())
         return spec if load.shares_tokenizer(draft_path, target_path) else replace(spec, translate=target_path)

@@ -240,12 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     from hetero_sd.bench import add_parser as add_bench_parser
     from hetero_sd.serve import cli as serve_cli
     from hetero_sd.training import cli as train_cli
+    from hetero_sd.training import corpus_build
 
     chat.add_parser(sub)
     profile_cli.add_parser(sub)
     add_bench_parser(sub)
     serve_cli.add_parser(sub)
     train_cli.add_parser(sub)
+    corpus_build.add_parser(sub)
     return parser
 
 

@@ -82,11 +82,14 @@ class DrafterConfig(_Section):
     # context (<= suffix_max_depth tokens) seen before, in this request or an earlier output,
     # and its most frequent continuation: at most suffix_factor * match length tokens, while
     # its estimated probability stays >= suffix_min_prob. suffix_cache_requests: earlier
-    # outputs kept for all later requests of the engine (FIFO; 0: none).
+    # outputs kept for all later requests of the engine (FIFO; 0: none). suffix_corpus: earlier
+    # outputs saved to a file (`hetero-sd build-corpus`), always in the tree: "auto" (the one
+    # built here for the target, else one the package ships, else none), "none", or a path.
     suffix_max_depth: int = Field(24, ge=1, le=1024)
     suffix_factor: float = Field(1.0, gt=0)
     suffix_min_prob: float = Field(0.1, ge=0, le=1)
     suffix_cache_requests: int = Field(256, ge=0)
+    suffix_corpus: str = "auto"
     model: str | None = None  # kind=model: defaults to the target's model
     # kind=head|hybrid: a head folder in EAGLE-3's layout, or "auto": the one `hetero-sd
     # train-head` built for the target (in the cache). It runs on backend/device/precision

@@ -46,10 +46,42 @@ def placed(cfg: Config, section, role: str) -> ModelSpec:
                      cfg.memory.kv_budget, role, getattr(section, "vocab", None))
 
 
-def suffix_spec(section) -> SuffixSpec:
-    """The suffix drafter a drafter section's suffix_* keys describe."""
-    return SuffixSpec(section.suffix_max_depth, section.suffix_factor, section.suffix_min_prob,
-                      section.suffix_cache_requests)
+def suffix_spec(cfg: Config) -> SuffixSpec:
+    """The suffix drafter the drafter section's suffix_* keys describe."""
+    d = cfg.drafter
+    return SuffixSpec(d.suffix_max_depth, d.suffix_factor, d.suffix_min_prob, d.suffix_cache_requests,
+                      suffix_corpus(cfg))
+
+
+def default_corpus(target_model: str) -> Path:
+    """Where `hetero-sd build-corpus` puts, and `suffix_corpus: auto` finds, a target's corpus."""
+    from hetero_sd.ir.cache import cache_dir
+
+    return cache_dir("corpora", Path(target_model)) / "corpus.safetensors"
+
+
+def packaged_corpus(target_model: str) -> Path:
+    """A corpus shipped with the package for a target (hetero_sd/corpora/<file stem>.safetensors)."""
+    return Path(__file__).parent / "corpora" / f"{Path(target_model).stem}.safetensors"
+
+
+def suffix_corpus(cfg: Config) -> str | None:
+    """drafter.suffix_corpus as a checked path, or None (none, or auto with none built or shipped)."""
+    from hetero_sd.drafting.corpus_file import corpus_info
+
+    choice, target = cfg.drafter.suffix_corpus, model_path(cfg, None)
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return next((str(p) for p in (default_corpus(target), packaged_corpus(target)) if p.is_file()), None)
+    path = Path(choice).expanduser()
+    if not path.is_absolute() and config_dir(cfg) is not None:
+        path = config_dir(cfg) / path
+    try:
+        corpus_info(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: drafter.suffix_corpus: {exc}") from None
+    return str(path)
 
 
 def _innermost(cfg: Config) -> DrafterSpec:
@@ -58,12 +90,12 @@ def _innermost(cfg: Config) -> DrafterSpec:
     if d.kind == "ngram":
         return NgramSpec(d.min_ngram, d.max_ngram)
     if d.kind == "suffix":
-        return suffix_spec(d)
+        return suffix_spec(cfg)
     if d.kind == "head":
         return head_spec(cfg)
     if d.kind == "hybrid":
         other = head_spec(cfg) if d.hybrid_with == "head" else _draft_model(cfg)
-        return HybridSpec(suffix_spec(d), other, d.hybrid_min_match)
+        return HybridSpec(suffix_spec(cfg), other, d.hybrid_min_match)
     return _draft_model(cfg)
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 from hetero_sd.drafting import worker
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.cascade import CascadeDrafter
+from hetero_sd.drafting.corpus_file import load_corpus
 from hetero_sd.drafting.cross_vocab import CrossVocabDrafter, TokenizerCodec, VocabBridge
 from hetero_sd.drafting.head import HeadDrafter
 from hetero_sd.drafting.hybrid import HEAD_MIN_RATE, HybridDrafter
@@ -34,7 +35,8 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, NgramSpec):
         return NgramDrafter(spec.min_ngram, spec.max_ngram)
     if isinstance(spec, SuffixSpec):
-        return SuffixDrafter(spec.max_depth, spec.factor, spec.min_token_prob, spec.max_cached_requests)
+        corpus = load_corpus(spec.corpus, target_vocab) if spec.corpus is not None else ()
+        return SuffixDrafter(spec.max_depth, spec.factor, spec.min_token_prob, spec.max_cached_requests, corpus=corpus)
     if isinstance(spec, ModelSpec):
         if spec.translate is not None:
             return cross_vocab_drafter(spec, target_vocab, load)
@@ -43,11 +45,10 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, HeadSpec):
         return HeadDrafter(load_head(spec, load), target_vocab)
     if isinstance(spec, HybridSpec):
-        s = spec.suffix
         # a draft model's min_prob bounds its drafts; a head's weak rounds are gated by its rate
         gate = None if isinstance(spec.head, ModelSpec) else HEAD_MIN_RATE
-        return HybridDrafter(SuffixDrafter(s.max_depth, s.factor, s.min_token_prob, s.max_cached_requests),
-                             build_drafter(spec.head, target_vocab, load), spec.min_match, gate)
+        return HybridDrafter(build_drafter(spec.suffix, target_vocab, load), build_drafter(spec.head, target_vocab, load),
+                             spec.min_match, gate)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)
         try:

@@ -69,6 +69,7 @@ class SuffixSpec:
     factor: float = 1.0  # drafts <= factor * match length
     min_token_prob: float = 0.1  # stop where the draft's estimated probability falls below
     max_cached_requests: int = 256  # earlier outputs kept (FIFO); 0: this request's context only
+    corpus: str | None = None  # a corpus file (drafting/corpus_file.py), pinned in the global tree
 
     @property
     def label(self) -> str:

@@ -9,7 +9,9 @@ Two trees:
                  tokens of its prompt (so an output is found by the context
                  that led to it); shared by the drafter's forks, bounded by
                  `max_cached_requests` / `max_cached_tokens`, the oldest
-                 request evicted first (FIFO)                      GlobalTree
+                 request evicted first (FIFO); and a corpus, if given:
+                 earlier outputs saved to a file (hetero-sd
+                 build-corpus), pinned there for good              GlobalTree
 
 A tree counts, for every string of up to `depth` tokens, how often it occurs
 in the indexed sequences. Drafting finds the longest suffix of the context (at
@@ -41,6 +43,7 @@ evicted whole). A draft costs O(max_depth) amortised.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Sequence
 
 from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.suffix_global import GlobalTree, _Edge
@@ -57,7 +60,8 @@ class SuffixDrafter(Drafter):
     can_fork = True  # fork(): a drafter per concurrent sequence (the batching server)
 
     def __init__(self, max_depth: int = 24, factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_cached_requests: int = 256, max_cached_tokens: int = 1 << 20, global_for_seeded: bool = False):
+                 max_cached_requests: int = 256, max_cached_tokens: int = 1 << 20, global_for_seeded: bool = False,
+                 corpus: Iterable[Sequence[int]] = ()):
         if not 1 <= max_depth <= 1024:
             raise ConfigError(f"suffix drafter: max_depth must be in 1..1024, got {max_depth}")
         if not factor > 0:
@@ -72,6 +76,8 @@ class SuffixDrafter(Drafter):
         self.global_for_seeded = global_for_seeded
         self.depth = max_depth + MAX_DRAFT_TOKENS  # room for a full draft after the longest match
         self.global_tree = GlobalTree(self.depth)
+        for tokens in corpus:  # pinned: beyond the bounds, never evicted, kept by clear_global()
+            self.global_tree.add(list(tokens), pinned=True)
         self._fresh()
 
     def fork(self) -> "SuffixDrafter":
@@ -117,8 +123,8 @@ class SuffixDrafter(Drafter):
             tree.evict_oldest()
 
     def clear_global(self) -> None:
-        """Forget every earlier request (this drafter's forks share the loss)."""
-        self.global_tree.clear()
+        """Forget every earlier request (this drafter's forks share the loss); a corpus stays."""
+        self.global_tree.evict_all()
 
     def draft(self, req: DraftRequest) -> DraftResult:
         self._sync(req)

@@ -18,7 +18,8 @@ import numpy as np
 from hetero_sd.training.corpus import docstrings_of, stdlib_modules
 
 # Topics and templates for self-distillation prompts. The benchmark prompts
-# (../shared/bench/prompts.jsonl) are held out: none of their subjects is here.
+# (hetero_sd/bench/prompts.jsonl and code-prompts.jsonl) are held out: none of their
+# subjects is here.
 _STORY = ["a clockmaker who loses her memory", "two rival bakers in a small town", "a robot learning to paint",
           "a fox who guards a library", "a sailor stranded on an ice floe", "a child who can hear plants",
           "an astronaut's first day on Mars", "a detective who is afraid of the dark", "a dragon who hoards books",
@@ -37,7 +38,7 @@ _EMAIL = [("a colleague", "to reschedule a meeting"), ("a professor", "for an ex
           ("a plumber", "for a quote to replace a boiler"), ("a school", "about a field trip")]
 _CODE = ["reverses the words in a sentence", "counts the vowels in a string", "merges two sorted lists",
          "returns the n-th Fibonacci number", "checks whether a number is prime", "flattens a nested list",
-         "parses a date in YYYY-MM-DD format", "finds the most common word in a text",
+         "converts a binary string to an integer", "finds the most common word in a text",
          "removes duplicates from a list while keeping order", "converts Celsius to Fahrenheit",
          "validates an email address with a regular expression", "computes the median of a list"]
 _STORY += ["a baker who can taste emotions", "a lost hiker and a talking owl", "a boy who builds a time machine",
@@ -63,7 +64,7 @@ _CODE += ["sorts a list of dictionaries by a key", "reads a CSV file and sums a 
           "implements binary search", "counts word frequencies in a file", "generates all permutations of a list",
           "computes the greatest common divisor of two numbers", "transposes a matrix",
           "capitalises the first letter of every word", "groups a list of words by their first letter",
-          "implements a simple LRU cache", "returns the longest common prefix of a list of strings"]
+          "implements a queue with two stacks", "returns the longest common prefix of a list of strings"]
 _TEMPLATES = [(_STORY, "Write a short story about {}."), (_EXPLAIN, "Explain how {} works, in simple terms."),
               (_TIPS, "Give me some tips for {}."), (_CODE, "Write a Python function that {}, with a few tests."),
               (_EXPLAIN, "What are the pros and cons of {}?"), (_STORY, "Write a poem about {}."),
@@ -73,9 +74,15 @@ _TEMPLATES = [(_STORY, "Write a short story about {}."), (_EXPLAIN, "Explain how
               (_CODE, "Explain, step by step, how to write a program that {}.")]
 
 
-def instruction_prompts() -> list[str]:
-    prompts = [tpl.format(topic) for topics, tpl in _TEMPLATES for topic in topics]
-    prompts += [f"Write a polite email to {who} asking {what}." for who, what in _EMAIL]
+_KINDS = {id(_STORY): "story", id(_EXPLAIN): "explain", id(_TIPS): "tips", id(_CODE): "code"}
+PROMPT_KINDS = ("story", "explain", "tips", "email", "code")
+
+
+def instruction_prompts(kinds: tuple[str, ...] = PROMPT_KINDS) -> list[str]:
+    """Self-distillation prompts of the given kinds (what their topics are about)."""
+    prompts = [tpl.format(topic) for topics, tpl in _TEMPLATES if _KINDS[id(topics)] in kinds for topic in topics]
+    if "email" in kinds:
+        prompts += [f"Write a polite email to {who} asking {what}." for who, what in _EMAIL]
     return prompts
 
 
