@@ -151,7 +151,8 @@ class DraftResult(_Record):
     # Seconds of the call that took in context the drafter had not drafted (a draft model's
     # prompt, a copy a hybrid's lookup served, a head's features of either) together with
     # the first draft: a one-off, so it does not price the draft steps of later rounds (the
-    # policy prices the rest; drafting/model.py CatchUpClock, drafting/head.py). In-process only.
+    # policy prices the rest; drafting/model.py CatchUpClock, drafting/head.py). Not in the packed
+    # record: a worker's reply header carries it (drafting/wire.py).
     catch_up_s: float = field(default=0.0, kw_only=True, compare=False, metadata={"wire": False})
 
 

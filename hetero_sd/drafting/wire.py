@@ -49,8 +49,9 @@ class Control(_Record):
 
 
 # status, answers (op), source (FRESH/PARTIAL/AHEAD), body bytes, seconds computed for
-# this reply, seconds spent drafting ahead since the previous reply
-_HEADER = struct.Struct("<iiiIdd")
+# this reply, seconds spent drafting ahead since the previous reply, and of the seconds
+# computed, those of a catch-up (DraftResult.catch_up_s)
+_HEADER = struct.Struct("<iiiIddd")
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Reply:
     source: int = FRESH
     compute_s: float = 0.0
     ahead_s: float = 0.0
+    catch_up_s: float = 0.0  # a FRESH draft's DraftResult.catch_up_s (in-process field, carried here)
     probs: np.ndarray | None = None  # [rows, vocab] float64 (DRAFT under sampling)
     region: int | None = None  # the arena region `probs` is a view of (release it after use)
 
@@ -79,7 +81,7 @@ def encode_reply(channel, reply: Reply) -> bytes:
         else:
             inline = probs.tobytes()
     head = _HEADER.pack(reply.status, reply.answers, reply.source, len(reply.body), reply.compute_s,
-                        reply.ahead_s)
+                        reply.ahead_s, reply.catch_up_s)
     return pack_frame(head + reply.body + inline, refs)
 
 
@@ -92,14 +94,16 @@ def decode_reply(channel, frame: bytes, vocab: int) -> Reply:
     Distributions come back as a read-only zero-copy view of the arena (shm)."""
     try:
         record, refs = unpack_frame(frame)
-        status, answers, source, n_body, compute_s, ahead_s = _HEADER.unpack_from(record, 0)
+        status, answers, source, n_body, compute_s, ahead_s, catch_up_s = _HEADER.unpack_from(record, 0)
     except struct.error as exc:
         raise CorruptRecord(f"reply of {len(frame)} bytes is not a worker frame: {exc}") from None
     body_end = _HEADER.size + n_body
     if status not in (OK, ERROR) or source not in (FRESH, PARTIAL, AHEAD) or body_end > len(record):
         raise CorruptRecord(f"reply header (status {status}, source {source}, body {n_body} bytes) "
                             f"does not fit a {len(record)}-byte record")
-    reply = Reply(status, answers, bytes(record[_HEADER.size:body_end]), source, compute_s, ahead_s)
+    if not 0.0 <= catch_up_s <= compute_s:
+        raise CorruptRecord(f"reply says {catch_up_s} s of its {compute_s} s computed were a catch-up")
+    reply = Reply(status, answers, bytes(record[_HEADER.size:body_end]), source, compute_s, ahead_s, catch_up_s)
     inline = record[body_end:]
     side = channel.take_tensor()  # beside the frame: Ray's object store
     if side is not None:
@@ -135,6 +139,7 @@ def parse_draft(reply: Reply, seq_id: int, k: int, vocab: int) -> DraftResult:
             raise CorruptRecord(f"draft distributions of shape {reply.probs.shape} for "
                                 f"{len(result.tokens)} tokens over {vocab}")
         result.probs = reply.probs
+    result.catch_up_s = reply.catch_up_s
     return result
 
 

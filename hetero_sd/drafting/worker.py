@@ -160,7 +160,9 @@ class Handler:
             tokens, source = self.ahead.answer(req)
             return Reply(OK, DRAFT, DraftResult(req.seq_id, tokens).pack(), source)
         result = self.drafter.draft(req)
-        return Reply(OK, DRAFT, DraftResult(req.seq_id, result.tokens).pack(), FRESH, probs=result.probs)
+        # (drafted ahead, a catch-up was paid between requests, not in the engine's wait: 0 there)
+        return Reply(OK, DRAFT, DraftResult(req.seq_id, result.tokens).pack(), FRESH, probs=result.probs,
+                     catch_up_s=result.catch_up_s)
 
     def work_ahead(self) -> None:
         """One step of drafting ahead (between requests)."""

@@ -142,6 +142,38 @@ def test_async_serves_rounds_from_pre_drafted_tokens(target, paths, remote):
     assert got.stats.rounds - 1 <= st.rounds <= got.stats.rounds  # the last round may draft nothing
 
 
+@pytest.mark.parametrize("transport", ["inproc", "pipe"])
+def test_a_worker_reports_its_catch_up(target, paths, remote, transport):
+    """A draft model in a worker takes in the prompt with its first draft: that call's
+    seconds come back as DraftResult.catch_up_s, as in process; a steady round's are 0."""
+    drafter = remote(model_spec(paths["target"]), transport=transport, mode="sync")
+    drafter.begin(64)
+    prompt = random_prompt(17, seed=51)
+    first = drafter.draft(DraftRequest(0, 0, 3, prompt))
+    assert len(first.tokens) == 3 and 0 < first.catch_up_s <= drafter.stats.compute_s
+    ctx = prompt + first.tokens + [0]  # all accepted, and a bonus token
+    steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):]))
+    assert len(steady.tokens) == 3 and steady.catch_up_s == 0.0
+    drafter.reset()
+
+
+def test_a_reply_claiming_more_catch_up_than_compute_is_refused():
+    from hetero_sd.drafting.wire import DRAFT, OK, Reply, decode_reply, encode_reply
+    from hetero_sd.transport import CorruptRecord
+
+    class Plain:  # a transport channel without an arena or side tensors
+        tx_arena = rx_arena = None
+
+        @staticmethod
+        def take_tensor():
+            return None
+
+    good = Reply(OK, DRAFT, b"", FRESH, compute_s=0.5, catch_up_s=0.25)
+    assert decode_reply(Plain, encode_reply(Plain, good), 8).catch_up_s == 0.25
+    with pytest.raises(CorruptRecord, match="catch-up"):
+        decode_reply(Plain, encode_reply(Plain, Reply(OK, DRAFT, b"", FRESH, compute_s=0.5, catch_up_s=0.75)), 8)
+
+
 def test_lookahead_answers_equal_synchronous_drafts(paths):
     """The async path answers every request with exactly the tokens a synchronous
     drafter would give, across accepted rounds (served ahead) and rejections
