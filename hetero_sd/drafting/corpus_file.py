@@ -62,12 +62,16 @@ def load_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
     meta = corpus_info(path)
     if meta.get("vocab_size") != str(vocab_size):
         raise ConfigError(f"suffix corpus {path} was built for a vocabulary of {meta.get('vocab_size')} tokens "
-                          f"(model {meta.get('model', '?')}), but the target has {vocab_size}: build one for this "
-                          "target with `hetero-sd build-corpus --config <this yaml>`")
+                          f"(model {meta.get('model', '?')}), but the target has {vocab_size}: set "
+                          "drafter.suffix_corpus to none, or build one for this target with `hetero-sd "
+                          "build-corpus --config <this yaml>`")
     arrays = load_file(str(path))
-    tokens, offsets = arrays["tokens"], arrays["offsets"]
-    if (offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != tokens.size
-            or np.any(np.diff(offsets) < 0) or (tokens.size and int(tokens.max()) >= vocab_size)):
-        raise ConfigError(f"suffix corpus {path} is damaged: its offsets or token ids do not fit")
+    tokens, offsets = arrays.get("tokens"), arrays.get("offsets")
+    if (tokens is None or offsets is None or tokens.dtype != np.uint32 or offsets.dtype != np.int64
+            or tokens.ndim != 1 or offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0
+            or offsets[-1] != tokens.size or np.any(np.diff(offsets) < 0)
+            or (tokens.size and int(tokens.max()) >= vocab_size)):
+        raise ConfigError(f"suffix corpus {path} is damaged: its tokens and offsets do not fit together "
+                          "(rebuild it with `hetero-sd build-corpus`, or set drafter.suffix_corpus: none)")
     ids = tokens.astype(np.int64).tolist()
     return [ids[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]

@@ -5,10 +5,12 @@ phrases its target uses across answers (SuffixDecoding's global tree, warm from 
 first request instead of after a few hundred).
 
 Answers come from the configured engine itself, speculation on (token-identical to
-the target alone), so they are what this target, on this backend and precision,
-says. Each is kept after the last suffix_max_depth tokens of its prompt, as the
-drafter keeps an output. Progress is appended to <out>.partial.jsonl; --resume
-continues from it.
+the target alone), greedy, under the YAML's other generation settings (chat
+template, stop strings, a constraint) as served: they are what this target, on
+this backend and precision, says. Each is kept after the last suffix_max_depth
+tokens of its prompt, as the drafter keeps an output. Progress is appended to
+<out>.partial.jsonl (its first line the settings, which a resumed run must
+match); --resume continues from it.
 
 Wired into hetero_sd/cli.py by `add_parser(subparsers)`.
 """
@@ -77,16 +79,45 @@ def chosen_prompts(args) -> list[str]:
     return prompts[:args.prompts] if args.prompts else prompts
 
 
-def _done(partial: Path, resume: bool, prompts: list[str]) -> list[dict]:
-    """The answers an interrupted run saved (the same prompts, in the same order)."""
+def settings(cfg, max_new_tokens: int) -> dict:
+    """What decides the answers besides the prompts: a resumed run must match them."""
+    from hetero_sd.spec import model_path
+
+    t = cfg.target
+    return {"model": Path(model_path(cfg, None)).name, "backend": t.backend, "device": t.device,
+            "precision": t.precision, "max_new_tokens": max_new_tokens, "tail": cfg.drafter.suffix_max_depth}
+
+
+def _done(partial: Path, resume: bool, prompts: list[str], want: dict) -> list[dict]:
+    """The answers an interrupted run saved (same settings, same prompts in the same order);
+    the log is rewritten without a last line torn by the interruption."""
     if not partial.exists():
+        partial.write_text(json.dumps(want) + "\n")
         return []
     if not resume:
         raise ConfigError(f"{partial} holds an interrupted run; pass --resume to continue it, or delete it")
-    done = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
-    if len(done) > len(prompts) or any(e["prompt"] != p for e, p in zip(done, prompts)):
+    head, *lines = partial.read_text().split("\n")
+    lines = [line for line in lines if line.strip()]
+    try:
+        had = json.loads(head)
+    except ValueError:
+        had = None
+    if had != want:
+        differ = sorted(k for k in want if not isinstance(had, dict) or had.get(k) != want[k])
+        raise ConfigError(f"{partial} was made with other settings ({', '.join(differ)}); run with the same "
+                          "ones, or delete it")
+    done = []
+    for n, line in enumerate(lines):
+        try:
+            done.append(json.loads(line))
+        except ValueError:
+            if n < len(lines) - 1:
+                raise ConfigError(f"{partial}: line {n + 2} is not JSON; delete the file to start again") from None
+            print(f"hetero-sd: dropped a torn last line of {partial} (answered again)", file=sys.stderr)
+    if len(done) > len(prompts) or any(e.get("prompt") != p for e, p in zip(done, prompts)):
         raise ConfigError(f"{partial} answered other prompts than these; run with the same prompt options, "
                           "or delete it")
+    partial.write_text("".join(json.dumps(x) + "\n" for x in [want, *done]))
     return done
 
 
@@ -125,10 +156,10 @@ def run(args) -> int:
     prompts = chosen_prompts(args)
     out = Path(args.out) if args.out else default_corpus(model_path(cfg, None))
     partial = out.with_name(out.name + ".partial.jsonl")
-    done = _done(partial, args.resume, prompts)
     if out.exists():
         print(f"hetero-sd: {out} will be replaced when this run ends", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
+    done = _done(partial, args.resume, prompts, settings(cfg, args.max_new_tokens))
     engine, start = Engine.from_config(cfg), time.perf_counter()
     try:
         answer(engine, prompts, done, partial, args.max_new_tokens, cfg.drafter.suffix_max_depth)

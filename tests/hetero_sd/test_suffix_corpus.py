@@ -85,7 +85,7 @@ def test_corpus_file_round_trip_and_bad_files(tmp_path):
     path = save_corpus(tmp_path / "c.safetensors", [[1, 2, 3], [], [4]], 10, model="m.gguf")
     assert load_corpus(path, 10) == [[1, 2, 3], [], [4]]
     assert corpus_info(path)["model"] == "m.gguf"
-    with pytest.raises(ConfigError, match=r"vocabulary of 10 tokens .*m\.gguf.*target has 12"):
+    with pytest.raises(ConfigError, match=r"vocabulary of 10 tokens .*m\.gguf.*target has 12.*suffix_corpus"):
         load_corpus(path, 12)
     with pytest.raises(ConfigError, match="does not exist"):
         load_corpus(tmp_path / "missing.safetensors", 10)
@@ -101,6 +101,10 @@ def test_corpus_file_round_trip_and_bad_files(tmp_path):
               str(tmp_path / "bad.safetensors"), metadata={"format": "hetero-sd suffix corpus 1", "vocab_size": "10"})
     with pytest.raises(ConfigError, match="damaged"):
         load_corpus(tmp_path / "bad.safetensors", 10)
+    save_file({"tokens": np.array([1, 2], np.uint32)}, str(tmp_path / "half.safetensors"),
+              metadata={"format": "hetero-sd suffix corpus 1", "vocab_size": "10"})
+    with pytest.raises(ConfigError, match="damaged"):
+        load_corpus(tmp_path / "half.safetensors", 10)
     with pytest.raises(ValueError, match="0..9"):
         save_corpus(tmp_path / "big.safetensors", [[10]], 10)
 
@@ -125,7 +129,7 @@ def built(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("corpus")
     model = tiny_model_dir("llama")
     (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    cfg = _yaml(tmp, model, "{kind: suffix, k: 4, suffix_corpus: none}")
+    cfg = _yaml(tmp, model, "{kind: suffix, k: 4, suffix_corpus: none, suffix_max_depth: 7}")
     out = tmp / "out" / "corpus.safetensors"
     assert main(["build-corpus", "--config", str(cfg), "--prompts-file", str(tmp / "prompts.jsonl"),
                  "--max-new-tokens", "24", "--out", str(out)]) == 0
@@ -142,26 +146,34 @@ def test_build_corpus_saves_the_targets_answers(built):
     for prompt, seq in zip(PROMPTS, seqs):
         ids = engine.encode(prompt)
         answer = engine.generate_ids(ids, 24).token_ids
-        assert seq == ids[-24:] + answer  # the prompt's last suffix_max_depth tokens, then the answer
+        assert len(ids) > 7 and seq == ids[-7:] + answer  # the prompt's last suffix_max_depth tokens, the answer
     assert not out.with_name(out.name + ".partial.jsonl").exists()
 
 
 def test_build_corpus_resumes_an_interrupted_run(built, tmp_path, capsys):
     from hetero_sd.cli import main
 
+    from hetero_sd.training.corpus_build import settings
+
     tmp, model, out = built
-    cfg = _yaml(tmp_path, model, "{kind: suffix, k: 4, suffix_corpus: none}")
+    cfg = _yaml(tmp_path, model, "{kind: suffix, k: 4, suffix_corpus: none, suffix_max_depth: 7}")
     args = ["build-corpus", "--config", str(cfg), "--prompts-file", str(tmp / "prompts.jsonl"),
             "--max-new-tokens", "24", "--out", str(tmp_path / "c.safetensors")]
     partial = tmp_path / "c.safetensors.partial.jsonl"
     vocab = int(corpus_info(out)["vocab_size"])
     full = load_corpus(out, vocab)
-    partial.write_text("".join(json.dumps({"prompt": p, "tokens": s}) + "\n" for p, s in zip(PROMPTS[:2], full)))
+    head = json.dumps(settings(load_config(cfg), 24)) + "\n"
+    saved = [[1, 2, 3], [4, 5]]  # (not what the target says: a resume keeps them, it does not answer again)
+    lines = [json.dumps({"prompt": p, "tokens": t}) + "\n" for p, t in zip(PROMPTS[:2], saved)]
+    partial.write_text(head + "".join(lines) + '{"prompt": "torn')  # a kill mid-write
     assert main(args) != 0 and "pass --resume to continue it" in capsys.readouterr().err
     assert main(args + ["--resume"]) == 0
-    assert load_corpus(tmp_path / "c.safetensors", vocab) == full
-    partial.write_text(json.dumps({"prompt": "something else", "tokens": [1]}) + "\n")
+    assert "dropped" in capsys.readouterr().err
+    assert load_corpus(tmp_path / "c.safetensors", vocab) == saved + full[2:]
+    partial.write_text(head + json.dumps({"prompt": "something else", "tokens": [1]}) + "\n")
     assert main(args + ["--resume"]) != 0 and "answered other prompts" in capsys.readouterr().err
+    partial.write_text(head.replace('"max_new_tokens": 24', '"max_new_tokens": 99') + lines[0])
+    assert main(args + ["--resume"]) != 0 and "max_new_tokens" in capsys.readouterr().err
 
 
 def test_yaml_suffix_corpus_auto_none_and_path(built, tmp_path):
