@@ -91,7 +91,7 @@ def settings(cfg, max_new_tokens: int) -> dict:
 def _done(partial: Path, resume: bool, prompts: list[str], want: dict) -> list[dict]:
     """The answers an interrupted run saved (same settings, same prompts in the same order);
     the log is rewritten without a last line torn by the interruption."""
-    if not partial.exists():
+    if not partial.exists() or len(partial.read_text().strip().split("\n")) < 2:  # no answer yet (a load failed)
         partial.write_text(json.dumps(want) + "\n")
         return []
     if not resume:
