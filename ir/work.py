@@ -130,10 +130,16 @@ class DraftRequest(_Record):
 class DraftPrices:
     """Costs in target decode steps, the time an accepted draft saves (about one step):
     rows[i], the verify row of draft i (0-based) beyond the rows before it,
-    (V(i + 2) - V(i + 1)) / V(1); step, one draft step, D(1) / V(1)."""
+    (V(i + 2) - V(i + 1)) / V(1); step, one draft step, D(1) / V(1).
+
+    rate: the tokens speculation has lately made per decode step's time (>= 1, the
+    rate of decoding alone). Time spent on a draft is worth what it would make at that
+    rate, so a draft pays where its chance of acceptance covers rate x its costs
+    (the ratio-maximising rule: Dinkelbach); at rate 1, the plain break-even."""
 
     rows: tuple[float, ...]
     step: float
+    rate: float = 1.0
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftPrices
 from hetero_sd.scheduler.acceptance import AcceptanceTracker
@@ -40,6 +40,7 @@ class FixedDraftLength:
     def __post_init__(self):
         if not 1 <= self.k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k must be in 1..{MAX_DRAFT_TOKENS}, got {self.k}")
+        self._rate = AchievedRate()
         self.set_cost(self.cost or DEFAULT_COST)
 
     def next_k(self, remaining: int) -> int:
@@ -53,6 +54,7 @@ class FixedDraftLength:
             observe_draft(self._draft, drafted, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
+            self._rate.observe(accepted + 1, verify_s + (draft_s or 0.0), self._verify(1))
         self._rounds += 1
         if self._rounds % REPRICE_EVERY == 0:  # (costs move slowly; pricing is ~50 us)
             self._prices = None
@@ -68,7 +70,7 @@ class FixedDraftLength:
     def draft_prices(self) -> DraftPrices:
         if self._prices is None:
             self._prices = RoundCost(self._verify.snapshot(self.k + 1), self._draft.snapshot(self.k)).prices(self.k)
-        return self._prices
+        return priced(self._prices, self._rate)
 
 
 def observe_draft(curve: "OnlineCurve", steps: int, draft_s: float, catch_up_s: float) -> None:
@@ -79,6 +81,39 @@ def observe_draft(curve: "OnlineCurve", steps: int, draft_s: float, catch_up_s: 
         steps, draft_s = steps - 1, max(0.0, draft_s - catch_up_s)
     if steps > 0:
         curve.observe(steps, draft_s)
+
+
+class AchievedRate:
+    """The tokens speculation has made per decode step's time over the last rounds
+    (DraftPrices.rate): a ratio of moving averages (tokens per round over a round's
+    seconds in decode steps), at least 1, the rate of decoding alone; 1 until a round
+    is timed. It prices a draft's time: a policy that maximises tokens per second
+    (not tokens less seconds) must ask more of a draft the better speculation goes.
+    Kept across requests, as costs are (a few rounds move it)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self._tokens = self._steps = None
+
+    def observe(self, tokens: int, seconds: float, step_s: float) -> None:
+        if not (step_s > 0 and math.isfinite(seconds) and seconds >= 0):
+            return
+        steps, s = seconds / step_s, self.smoothing
+        if self._tokens is None:
+            self._tokens, self._steps = float(tokens), steps
+        else:
+            self._tokens += s * (tokens - self._tokens)
+            self._steps += s * (steps - self._steps)
+
+    @property
+    def value(self) -> float:
+        if not self._steps:
+            return 1.0
+        return max(1.0, self._tokens / self._steps)
+
+
+def priced(prices: DraftPrices, rate: AchievedRate) -> DraftPrices:
+    return replace(prices, rate=rate.value)
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a
@@ -217,6 +252,7 @@ class AdaptiveDraftLength:
         self._timed = False  # timings have been observed: exploring costs teaches something
         prior = cost or DEFAULT_COST
         self._verify, self._draft = OnlineCurve(prior.verify), OnlineCurve(prior.draft)
+        self._rate = AchievedRate()
         self._acceptance = AcceptanceTracker(decay)
         self.reset()
 
@@ -260,7 +296,7 @@ class AdaptiveDraftLength:
     def draft_prices(self) -> DraftPrices:
         """The costs the latest decision was made with (DraftPrices)."""
         self._decide()
-        return self._prices
+        return priced(self._prices, self._rate)
 
     def _probe_k(self) -> int:
         """The k an optimistic acceptance (2-sigma upper bound, prior included) would pick."""
@@ -309,6 +345,7 @@ class AdaptiveDraftLength:
                 observe_draft(self._draft, asked, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
+            self._rate.observe(accepted + 1, verify_s + (draft_s or 0.0), self._verify(1))
             self._timed = True
         # Re-decide on new acceptance evidence, else every `redecide_every`
         # rounds: most rounds of an open-ended prompt find no n-gram match and

@@ -168,10 +168,12 @@ class DraftStop:
     - min_prob None (`auto`) with DraftRequest.prices: draft i is proposed while the
       chance that the target accepts it, taken as the product of the draft's
       probabilities up to it, is at least what its verify row costs (prices.rows[i],
-      in decode steps, which an accepted draft saves); the next one is drafted only
-      while that chance also covers the next row and a draft step (it can only
+      in decode steps) times prices.rate (the tokens a decode step's time makes
+      lately: what that time is worth); the next one is drafted only while that
+      chance also covers the next row and a draft step, so priced (it can only
       fall). So a cheap extra row takes an unsure draft and a dear one does not,
-      by the costs the policy measures on this host, not by a constant.
+      by the costs the policy measures on this host, not by a constant; and the
+      better speculation is going, the surer a draft must be to be worth its time.
     - Neither (min_prob 0, or auto without prices: a policy that knows no costs):
       every draft, up to k.
     """
@@ -190,9 +192,9 @@ class DraftStop:
         if self.prices is None:
             sure = prob >= self.min_prob
             return sure or i < self.free, sure
-        rows, self.chance = self.prices.rows, self.chance * prob
-        propose = i < self.free or self.chance >= rows[min(i, len(rows) - 1)]
-        go_on = propose and self.chance >= rows[min(i + 1, len(rows) - 1)] + self.prices.step
+        rows, rate, self.chance = self.prices.rows, self.prices.rate, self.chance * prob
+        propose = i < self.free or self.chance >= rate * rows[min(i, len(rows) - 1)]
+        go_on = propose and self.chance >= rate * (rows[min(i + 1, len(rows) - 1)] + self.prices.step)
         return propose, go_on
 
 

@@ -4,9 +4,13 @@ longer pays for its verify row, priced in decode steps by the policy's costs
 (RoundCost.prices), which a fixed k learns from the rounds' timings too.
 
 Lossless: the target decides every token whatever is proposed; checked for the same
-and another tokenizer, every k from 1 to 8 and three price levels. The rule itself is
-checked draft by draft, and that dear rows take fewer drafts than cheap ones."""
+and another tokenizer, every k from 1 to 8, three price levels, and a draft's time
+priced at twice the rate of decoding alone (DraftPrices.rate, the rate speculation
+achieves). The rule itself is checked draft by draft, and that dear rows (or a
+higher rate) take fewer drafts than cheap ones."""
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -15,7 +19,8 @@ from hetero_sd.drafting.cross_vocab import CrossVocabDrafter
 from hetero_sd.drafting.model import DraftStop
 from hetero_sd.engine import Engine
 from hetero_sd.ir.work import DraftPrices, DraftRequest
-from hetero_sd.scheduler import FixedDraftLength
+from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
+from hetero_sd.scheduler.draft_length import AchievedRate
 from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
 from helpers.table_model import TableRunner
 
@@ -56,6 +61,41 @@ def test_the_stop_rule_draft_by_draft():
     assert not unpriced.needs_prob and unpriced.take(0, 1.0) == (True, True)
 
 
+def test_the_stop_rule_prices_a_draft_at_the_achieved_rate():
+    """At rate 2 (speculation makes two tokens a decode step's time) every cost counts
+    twice: 0.9 still pays row 0 (0.4) but no longer row 1 and a step (1.0)."""
+    rated = DraftPrices((0.2, 0.4, 0.4), 0.1, rate=2.0)
+    assert DraftStop(None, _request(rated)).take(0, 0.9) == (True, False)
+    assert DraftStop(None, _request(rated)).take(0, 0.3) == (False, False)  # (rate 1: proposed)
+    assert DraftStop(None, _request(rated, free=1)).take(0, 0.3) == (True, False)  # a free row is free at any rate
+    assert DraftStop(0.5, _request(rated)).take(0, 0.6) == (True, True)  # a fixed min_prob ignores prices
+
+
+def test_the_achieved_rate_is_tokens_per_decode_step_and_never_below_one():
+    rate = AchievedRate(smoothing=0.2)
+    assert rate.value == 1.0  # nothing timed yet: decoding alone
+    for _ in range(40):  # 3 tokens a round in 1.5 steps' time
+        rate.observe(3, 0.015, 0.010)
+    assert rate.value == pytest.approx(2.0)
+    rate.observe(3, float("nan"), 0.010)
+    rate.observe(3, 0.015, 0.0)  # (untimed rounds teach nothing)
+    assert rate.value == pytest.approx(2.0)
+    for _ in range(40):  # rounds slower than decoding: the rate of decoding alone, not less
+        rate.observe(1, 0.030, 0.010)
+    assert rate.value == 1.0
+
+
+@pytest.mark.parametrize("make", [lambda: FixedDraftLength(4), lambda: AdaptiveDraftLength(4)], ids=["fixed", "auto"])
+def test_a_policy_prices_drafts_at_the_rate_its_rounds_achieve(make):
+    policy = make()
+    assert policy.draft_prices().rate == 1.0
+    for _ in range(60):  # a plain round (1 token, 10 ms), then 4 tokens in 20 ms + 6 ms of drafts
+        policy.observe(0, 0, verify_s=0.010)
+        policy.observe(3, 3, draft_s=0.006, verify_s=0.020)
+    # about (1 + 4) / 2 tokens over (1 + 2.6) / 2 steps a round (moving averages: approx)
+    assert policy.draft_prices().rate == pytest.approx(2.5 / 1.8, rel=0.1)
+
+
 def test_a_fixed_k_prices_drafts_by_the_timings_it_observes():
     policy = FixedDraftLength(4)
     before = policy.draft_prices()  # the prior (DEFAULT_COST): a row 0.1 step, a draft step 0.02
@@ -69,8 +109,18 @@ def test_a_fixed_k_prices_drafts_by_the_timings_it_observes():
     assert policy.next_k(10) == 4  # k itself never moves
 
 
-def _run(target, drafter, k: int, cost: RoundCost) -> object:
-    engine = Engine(target, drafter, policy=FixedDraftLength(k, cost))
+@dataclass
+class _Rated(FixedDraftLength):
+    """A fixed k whose prices carry a given achieved rate (the engine feeds no timings here)."""
+
+    rate: float = 1.0
+
+    def draft_prices(self) -> DraftPrices:
+        return replace(super().draft_prices(), rate=self.rate)
+
+
+def _run(target, drafter, k: int, cost: RoundCost, rate: float = 1.0) -> object:
+    engine = Engine(target, drafter, policy=_Rated(k, cost, rate))
     req = engine.request(PROMPT, 30, learn_timings=False)  # the prices stay the given ones
     req.run()
     return req.close()
@@ -81,15 +131,18 @@ def test_priced_drafts_are_lossless_and_follow_the_price(cross):
     target = TableRunner(4, seed=0)
     alone = Engine(target, None).generate_ids(PROMPT, 30).token_ids
     drafted = {}
-    for name, cost in (("cheap", CHEAP), ("middle", MIDDLE), ("dear", DEAR)):
+    for name, cost, rate in (("cheap", CHEAP, 1.0), ("middle", MIDDLE, 1.0), ("middle, rate 2", MIDDLE, 2.0),
+                             ("dear", DEAR, 1.0)):
         for k in range(1, 9):
             draft = TableRunner(4, seed=3, scale=1.0)
             drafter = CrossVocabDrafter(draft, _bridge(), None) if cross else ModelDrafter(draft, 4, min_prob=None)
-            res = _run(target, drafter, k, cost)
+            res = _run(target, drafter, k, cost, rate)
             assert res.token_ids == alone, (name, k)
             drafted[name, k] = res.stats.drafted
     for k in range(1, 9):
         assert drafted["cheap", k] >= drafted["middle", k] >= drafted["dear", k], (k, drafted)
+        assert drafted["middle", k] >= drafted["middle, rate 2", k], (k, drafted)
+    assert sum(drafted["middle", k] for k in range(1, 9)) > sum(drafted["middle, rate 2", k] for k in range(1, 9))
     assert sum(drafted["cheap", k] for k in range(1, 9)) > sum(drafted["dear", k] for k in range(1, 9)) > 0, drafted
 
 
