@@ -31,8 +31,10 @@ Proposals are a deterministic function of the context and of the global tree
 with the n-gram drafter, and greedy output is the target's whatever is drafted.
 A sampled request's tokens do depend on its drafts (they decide how its
 random draws are used), so a seeded sampled request drafts from its own tree
-alone: its output depends on its seed and prompt, never on which requests ran
-before (global_for_seeded=True trades that for the global tree's drafts).
+and the corpus alone (a tree of the pinned sequences only, built on the first
+such request and shared by the forks): its output depends on its seed, its
+prompt and the drafter's configuration, never on which requests ran before
+(global_for_seeded=True trades that for earlier requests' drafts too).
 
 Both trees are suffix tries truncated at `depth` = max_depth + MAX_DRAFT_TOKENS
 (room for a full draft after the longest match): the request tree in
@@ -78,6 +80,7 @@ class SuffixDrafter(Drafter):
         self.global_tree = GlobalTree(self.depth)
         for tokens in corpus:  # pinned: beyond the bounds, never evicted, kept by clear_global()
             self.global_tree.add(list(tokens), pinned=True)
+        self._corpus_only: dict = {}  # "tree": the corpus alone, for seeded requests (shared by forks)
         self._fresh()
 
     def fork(self) -> "SuffixDrafter":
@@ -90,10 +93,12 @@ class SuffixDrafter(Drafter):
     def _fresh(self) -> None:
         self.tree = RequestTree(self.depth)
         self._prompt_len: int | None = None  # the first request's context, less its last token
-        self._matches: list[tuple[int, _Edge, int]] = []  # (start, node, depth) in the global tree
-        self._version = None  # global tree version _matches were computed for
+        self._matches: list[tuple[int, _Edge, int]] = []  # (start, node, depth) in self._global
+        self._version = None  # self._global's version _matches were computed for
         self._guide = None
-        self._use_global = True  # False for a seeded sampled request (module docstring)
+        # The shared tree this request drafts from: the global one, or for a seeded sampled
+        # request the corpus alone (None without a corpus; module docstring)
+        self._global: GlobalTree | None = self.global_tree
         self.match_len, self.score, self.source = 0, 0.0, None
 
     @property
@@ -105,7 +110,20 @@ class SuffixDrafter(Drafter):
         self.reset()
         self._guide = guide
         seeded = sampler is not None and sampler.params.seed is not None
-        self._use_global = self.global_for_seeded or not seeded
+        self._global = self.global_tree if self.global_for_seeded or not seeded else self._corpus_tree()
+
+    def _corpus_tree(self) -> GlobalTree | None:
+        """The corpus's pinned sequences alone, indexed on first use (as long again as
+        the global tree took for them); None without a corpus."""
+        if "tree" not in self._corpus_only:
+            pinned = self.global_tree.pinned_sequences()
+            tree = None
+            if pinned:
+                tree = GlobalTree(self.depth)
+                for tokens in pinned:
+                    tree.add(tokens, pinned=True)
+            self._corpus_only["tree"] = tree
+        return self._corpus_only["tree"]
 
     def reset(self) -> None:
         """End the sequence: its output (after the prompt's last max_depth tokens)
@@ -131,14 +149,15 @@ class SuffixDrafter(Drafter):
         ctx = self.context
         tokens, self.match_len, self.score, self.source = [], 0, 0.0, None
         node, size = self.tree.longest_repeat(self.max_depth)
-        g = next(((s, n, d) for s, n, d in self._matches if self.global_tree.continues(n, d)), None) \
-            if self._use_global else None
+        shared = self._global
+        g = next(((s, n, d) for s, n, d in self._matches if shared.continues(n, d)), None) \
+            if shared is not None else None
         g_size = len(ctx) - g[0] if g is not None else 0
         options = []
         if size and size >= g_size:
             options = [(self.tree, node, size, size, "local")]
         if g_size:
-            options.append((self.global_tree, g[1], g[2], g_size, "global"))
+            options.append((shared, g[1], g[2], g_size, "global"))
         if size and size < g_size:
             options.append((self.tree, node, size, size, "local"))
         for tree, at, depth, matched, source in options:  # the other tree if the first has nothing
@@ -164,26 +183,27 @@ class SuffixDrafter(Drafter):
         keep, skip = req.base_len, 0  # tokens re-sent unchanged need no rollback
         while keep < len(ctx) and skip < len(new) and ctx[keep] == new[skip]:
             keep, skip = keep + 1, skip + 1
-        incremental = self._version == self.global_tree.version
+        shared = self._global
+        incremental = shared is not None and self._version == shared.version
         if keep < len(ctx):
             self.tree.truncate(keep)
             incremental = False
         added = new[skip:]
         for token in added:
             self.tree.append(int(token))
-        if not self._use_global:
+        if shared is None:
             return
         if incremental and len(added) < self.max_depth:
             for i, token in enumerate(added):
                 self._match_step(len(ctx) - len(added) + i, int(token))
         else:  # recompute from the last max_depth tokens
-            self._matches, self._version = [], self.global_tree.version
+            self._matches, self._version = [], shared.version
             for p in range(max(0, len(ctx) - self.max_depth), len(ctx)):
                 self._match_step(p, ctx[p])
 
     def _match_step(self, p: int, token: int) -> None:
         """The global-tree positions of the context's suffixes, after token p."""
-        tree, out, max_depth = self.global_tree, [], self.max_depth
+        tree, out, max_depth = self._global, [], self.max_depth
         seqs = tree.seqs
         for start, node, depth in self._matches:  # (tree.advance, inlined: this runs per token)
             if depth >= max_depth:

@@ -51,6 +51,11 @@ class GlobalTree:
         self.depth, self.version = depth, 0
         self.clear()
 
+    def pinned_sequences(self) -> list[list[int]]:
+        """The pinned sequences, oldest first (they are the oldest of all)."""
+        evictable = set(self.order)
+        return [seq for sid, seq in self.seqs.items() if sid not in evictable]
+
     def evict_all(self) -> None:
         """Every evictable sequence goes; pinned ones stay."""
         while self.order:

@@ -45,18 +45,22 @@ def _emitted(engine: Engine, params: SamplingParams, n: int, target_only=False):
     return counts, drafted, accepted
 
 
+CORPUS = [[0, 1, 2, 3, 0, 1, 2, 3], [1, 1, 0, 2, 2, 3], [2, 0, 1, 3, 3, 1, 0]]
+
+
 def _drafters():
     return {"ngram": NgramDrafter(1, 2),
             # earlier requests' outputs draft too, though every request here is seeded
             "suffix": SuffixDrafter(global_for_seeded=True),
             # a pinned corpus alone (drafter.suffix_corpus), no earlier requests
-            "suffix-corpus": SuffixDrafter(global_for_seeded=True, max_cached_requests=0,
-                                           corpus=[[0, 1, 2, 3, 0, 1, 2, 3], [1, 1, 0, 2, 2, 3], [2, 0, 1, 3, 3, 1, 0]]),
+            "suffix-corpus": SuffixDrafter(global_for_seeded=True, max_cached_requests=0, corpus=CORPUS),
+            # the same corpus where seeded requests draft from it alone (earlier outputs kept apart)
+            "suffix-corpus-seeded": SuffixDrafter(corpus=CORPUS),
             "model": ModelDrafter(TableRunner(VOCAB, seed=0, noise=0.8, noise_seed=7), VOCAB)}
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=SamplingParams.describe)
-@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "suffix-corpus", "model"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "suffix-corpus", "suffix-corpus-seeded", "model"])
 def test_emitted_distribution_matches_target(params, drafter):
     target = TableRunner(VOCAB, seed=0)
     engine = Engine(target, None if drafter == "none" else _drafters()[drafter], k=3)

@@ -4,6 +4,8 @@ later ones. The drafting rules and rollback: test_suffix_rules.py; the trees
 against a brute-force reference: test_suffix_trees.py."""
 from __future__ import annotations
 
+from collections import deque
+
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,36 @@ def test_a_seeded_sampled_request_does_not_depend_on_earlier_ones():
         outputs[global_for_seeded] = runs
     assert all(run == outputs[False][0] for run in outputs[False])
     assert any(run != outputs[True][0] for run in outputs[True])  # the test can tell
+
+
+def test_a_seeded_sampled_request_drafts_from_the_corpus_and_stays_reproducible():
+    """A corpus is fixed with the drafter, so a seeded request drafts from it (a tree of the
+    pinned sequences alone) and still never depends on earlier requests, whose outputs
+    join the global tree beside the corpus."""
+    import random
+
+    from hetero_sd.engine import Engine
+    from hetero_sd.sampling import Sampler, SamplingParams
+    from helpers.table_model import TableRunner
+
+    rng = random.Random(3)
+    corpus = [[rng.randrange(4) for _ in range(40)] for _ in range(6)]
+    prompt, seeded = [0, 1, 2, 3, 1], SamplingParams(1.0, seed=5)
+    drafter = SuffixDrafter(corpus=corpus)
+    engine = Engine(TableRunner(4, seed=0), drafter, k=3)
+    runs = []
+    for other_seed in range(8):
+        res = engine.generate_ids(prompt, 24, sampling=seeded)
+        runs.append((res.token_ids, res.stats.drafted, res.stats.accepted))
+        engine.generate_ids(prompt, 24, sampling=SamplingParams(1.0, seed=100 + other_seed))
+        engine.generate_ids(prompt, 24)  # greedy: drafts from the global tree, its output joins it
+    assert all(run == runs[0] for run in runs)  # tokens, drafts and acceptances alike
+    assert len(drafter.global_tree.order) > 0 and drafter._corpus_only["tree"].order == deque()
+    bare = Engine(TableRunner(4, seed=0), SuffixDrafter(), k=3).generate_ids(prompt, 24, sampling=seeded)
+    assert runs[0][1] > bare.stats.drafted  # the corpus drafts where the request's own text cannot yet
+    forked = drafter.fork()
+    forked.begin(64, sampler=Sampler(seeded))
+    assert forked._global is drafter._corpus_only["tree"]  # indexed once, shared by the forks
 
 
 def test_batched_requests_fork_the_drafter_and_share_its_global_tree(tiny_model_dir):
