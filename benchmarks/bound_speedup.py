@@ -77,14 +77,17 @@ def agreement_runs(guess: list[int], answer: list[int]) -> list[int]:
     return runs[:len(answer)]
 
 
-def lookup_runs(drafter, prompt: list[int], answer: list[int]) -> list[int]:
+def lookup_runs(drafter, prompt: list[int], answer: list[int], free_rows: int = 0) -> list[int]:
     """Teacher-forced: the accepted length of the drafter's proposal at every answer position
-    (position 0, the prefill's token, is never drafted). The answer then joins its trees."""
+    (position 0, the prefill's token, is never drafted). The answer then joins its trees.
+    free_rows 1 where the target pads a one-token call (a lookup then proposes its first
+    draft however unsure, as the engine asks it to)."""
     drafter.begin(len(prompt) + len(answer) + MAX_DRAFT_TOKENS + 1)
     runs, ctx = [0], prompt + answer[:1]
     for p in range(1, len(answer)):
         new = ctx if p == 1 else answer[p - 1:p]
-        got = drafter.draft(DraftRequest(0, len(ctx) - len(new), MAX_DRAFT_TOKENS, list(new), context=ctx)).tokens
+        got = drafter.draft(DraftRequest(0, len(ctx) - len(new), MAX_DRAFT_TOKENS, list(new), context=ctx,
+                                         free_rows=free_rows)).tokens
         a = 0
         while a < len(got) and p + a < len(answer) and got[a] == answer[p + a]:
             a += 1
@@ -188,11 +191,16 @@ def main(argv=None) -> int:
         answer = list(res.token_ids)
         sample = {"id": prompt.id, "kind": prompt.kind, "prompt_len": len(ids), "answer": answer,
                   "prefill_s": res.stats.prefill_s, "lookup": None, "model": None, "draft_prefill_s": None}
+        if len(answer) < 2:  # (an answer of one token has no round to draft for)
+            tqdm.write(f"{prompt.id}: the answer has {len(answer)} token(s); left out")
+            continue
         if lookup is not None:
-            sample["lookup"] = lookup_runs(lookup, ids, answer)
+            sample["lookup"] = lookup_runs(lookup, ids, answer, int(engine.target_runner.pads_single_row))
         if draft is not None:
             sample["model"], sample["draft_prefill_s"] = model_runs(draft, ids, answer)
         samples.append(sample)
+    if not samples:
+        raise SystemExit("no prompt gave an answer of two tokens or more: nothing to bound")
     ctx_len = int(statistics.median(s["prompt_len"] + len(s["answer"]) // 2 for s in samples))
     context = (samples[0]["answer"] * (ctx_len // max(1, len(samples[0]["answer"])) + 1))[:ctx_len]
     verify = time_widths(engine.target, context, list(WIDTHS), args.reps)

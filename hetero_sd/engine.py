@@ -64,6 +64,15 @@ class Engine:
         return self.target_runner.current
 
     @property
+    def policy(self):
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        # as set: the policy a seeded sampled request drafts by, whatever later timings teach
+        self._policy, self._prior_policy = policy, copy.deepcopy(policy)
+
+    @property
     def drafter(self) -> Drafter | None:
         """The drafter requests start with (a failover's or re-plan's replacement once one happened)."""
         return self._drafter.default
@@ -217,6 +226,11 @@ class Engine:
         elif speculate and concurrent and self.forks_drafter:
             drafter = FailoverDrafter(self.drafter.fork(), NoFallback())
             policy = copy.deepcopy(self.policy)  # learnt costs carried over, acceptance per request
+            policy.reset()
+        if drafter is not None and params.seed is not None and not params.greedy:
+            # its draft lengths decide how its random draws are used: they follow its own
+            # acceptance under the policy as built, never the timings earlier requests taught
+            policy, learn_timings = copy.deepcopy(self._prior_policy), False
             policy.reset()
         stats = GenerationStats(mode=drafter.name if drafter is not None else "target-only",
                                 prompt_tokens=len(prompt_ids), sampling=params.describe())

@@ -54,7 +54,7 @@ class FixedDraftLength:
             observe_draft(self._draft, drafted, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
-            self._rate.observe(accepted + 1, verify_s + (draft_s or 0.0), self._verify(1))
+            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s), self._verify(1))
         self._rounds += 1
         if self._rounds % REPRICE_EVERY == 0:  # (costs move slowly; pricing is ~50 us)
             self._prices = None
@@ -114,6 +114,13 @@ class AchievedRate:
 
 def priced(prices: DraftPrices, rate: AchievedRate) -> DraftPrices:
     return replace(prices, rate=rate.value)
+
+
+def round_seconds(verify_s: float, draft_s: float | None, catch_up_s: float) -> float:
+    """A round's seconds as the achieved rate counts them: without a draft model's catch-up
+    (its prompt, a copy it did not draft), a one-off that would drag the rate to 1 for
+    the first rounds of every request."""
+    return verify_s + max(0.0, (draft_s or 0.0) - catch_up_s)
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a
@@ -345,7 +352,7 @@ class AdaptiveDraftLength:
                 observe_draft(self._draft, asked, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
-            self._rate.observe(accepted + 1, verify_s + (draft_s or 0.0), self._verify(1))
+            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s), self._verify(1))
             self._timed = True
         # Re-decide on new acceptance evidence, else every `redecide_every`
         # rounds: most rounds of an open-ended prompt find no n-gram match and

@@ -28,6 +28,7 @@ from hetero_sd.ir.work import DraftRequest, DraftResult
 
 EXPLORE = 64  # one round in this many tries a head below the bar, to keep its average current
 HEAD_MIN_RATE = 0.35  # a head's bar (min_head_rate); a draft model has none
+GATE_START = {"head": 0.5, "short": 0.5}  # the running rates' start
 
 
 class HybridDrafter(Drafter):
@@ -44,9 +45,10 @@ class HybridDrafter(Drafter):
         self.feature_layers = head.feature_layers
         self.picks = {"suffix": 0, "head": 0}  # rounds each drafter served (shown by benchmarks)
         # running acceptance of the head's drafts and of short-match suffix drafts (learnt per engine)
-        self.rate = {"head": 0.5, "short": 0.5}
+        self.rate = dict(GATE_START)
         self._last: str | None = None
         self._rounds = 0
+        self._engine_gate = None  # (rate, rounds) set aside while a seeded request gates on its own
 
     def fork(self) -> "HybridDrafter":
         clone = copy.copy(self)  # (drafters are constructed in drafting.build alone)
@@ -55,10 +57,21 @@ class HybridDrafter(Drafter):
         return clone
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
+        self._restore_gate()
         self.suffix.begin(capacity, sampler, guide)
         self.head.begin(capacity, sampler, guide)
+        # A seeded sampled request's picks decide how its random draws are used, so they must
+        # not follow earlier requests: it gates on running rates of its own, from the start.
+        if sampler is not None and sampler.params.seed is not None:
+            self._engine_gate = (self.rate, self._rounds)
+            self.rate, self._rounds = dict(GATE_START), 0
+
+    def _restore_gate(self) -> None:
+        if self._engine_gate is not None:
+            (self.rate, self._rounds), self._engine_gate = self._engine_gate, None
 
     def reset(self) -> None:
+        self._restore_gate()
         self.suffix.reset()
         self.head.reset()
 

@@ -94,6 +94,11 @@ def test_a_policy_prices_drafts_at_the_rate_its_rounds_achieve(make):
         policy.observe(3, 3, draft_s=0.006, verify_s=0.020)
     # about (1 + 4) / 2 tokens over (1 + 2.6) / 2 steps a round (moving averages: approx)
     assert policy.draft_prices().rate == pytest.approx(2.5 / 1.8, rel=0.1)
+    before = policy.draft_prices().rate
+    # a new request's first round: the draft model takes in its prompt (0.4 s, 40 steps) with
+    # its first draft; that one-off is no price of the rounds to come
+    policy.observe(3, 3, draft_s=0.402, verify_s=0.020, catch_up_s=0.4)
+    assert policy.draft_prices().rate >= 0.9 * before
 
 
 def test_a_fixed_k_prices_drafts_by_the_timings_it_observes():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from hetero_sd.drafting.hybrid import GATE_START
+
 from pathlib import Path
 
 import pytest
@@ -204,6 +206,70 @@ def test_a_seeded_sampled_request_drafts_from_the_corpus_and_stays_reproducible(
     forked = drafter.fork()
     forked.begin(64, sampler=Sampler(seeded))
     assert forked._global is drafter._corpus_only["tree"]  # indexed once, shared by the forks
+
+
+class _Dear:
+    """A table target whose verify costs can turn dear (rows squared) between requests."""
+
+    def __init__(self):
+        from helpers.table_model import TableRunner
+
+        class Timed(TableRunner):
+            dear = False
+
+            def forward(self, seq_id, tokens, start, num_logits):
+                import time
+                time.sleep(0.0005 * len(tokens) ** (2 if Timed.dear else 1))
+                return super().forward(seq_id, tokens, start, num_logits)
+
+        self.cls = Timed
+
+
+def test_a_seeded_request_drafts_by_the_policy_as_built_not_by_learnt_timings():
+    """k: auto learns costs from greedy requests' timings; a seeded sampled request's draft
+    lengths decide how its draws are used, so it drafts by the policy as built."""
+    from hetero_sd.engine import Engine
+    from hetero_sd.sampling import SamplingParams
+    from hetero_sd.scheduler import AdaptiveDraftLength
+
+    timed = _Dear().cls
+    prompt, seeded = [0, 1, 2, 0, 1, 2, 0, 1], SamplingParams(1.0, seed=9)
+    engine = Engine(timed(4, seed=0), SuffixDrafter(), policy=AdaptiveDraftLength(6))
+    first = engine.generate_ids(prompt, 32, sampling=seeded)
+    before = engine.policy.round_cost().verify(7) / engine.policy.round_cost().verify(1)
+    timed.dear = True
+    try:
+        for _ in range(3):  # greedy requests teach dear wide verifies
+            engine.generate_ids(prompt, 32)
+    finally:
+        timed.dear = False
+    after = engine.policy.round_cost().verify(7) / engine.policy.round_cost().verify(1)
+    assert after > 2 * before  # (the scenario has teeth: the engine's policy learnt other costs)
+    again = engine.generate_ids(prompt, 32, sampling=seeded)
+    assert (again.token_ids, again.stats.drafted) == (first.token_ids, first.stats.drafted)
+
+
+def test_a_seeded_request_gates_a_hybrid_s_head_on_its_own_rounds():
+    """A gated head (min_head_rate) is picked by running rates learnt across requests;
+    a seeded sampled request gates on rates of its own, so earlier requests change nothing."""
+    from hetero_sd.drafting import ModelDrafter
+    from hetero_sd.drafting.hybrid import HybridDrafter
+    from hetero_sd.engine import Engine
+    from hetero_sd.sampling import SamplingParams
+    from helpers.table_model import TableRunner
+
+    hybrid = HybridDrafter(SuffixDrafter(), ModelDrafter(TableRunner(4, seed=3, noise=0.8, noise_seed=1), 4),
+                           min_match=3, min_head_rate=0.35)
+    engine = Engine(TableRunner(4, seed=0), hybrid, k=3)
+    prompt, seeded = [0, 1, 2, 3, 1], SamplingParams(1.0, seed=4)
+    first = engine.generate_ids(prompt, 32, sampling=seeded)
+    rates = dict(hybrid.rate)
+    for n in range(6):  # greedy requests move the engine's running rates
+        engine.generate_ids([n % 4, 2, 1, 3, 0], 32)
+    assert hybrid.rate != rates
+    again = engine.generate_ids(prompt, 32, sampling=seeded)
+    assert (again.token_ids, again.stats.drafted) == (first.token_ids, first.stats.drafted)
+    assert hybrid._engine_gate is None and hybrid.rate != dict(GATE_START)  # the engine's rates are back
 
 
 def test_batched_requests_fork_the_drafter_and_share_its_global_tree(tiny_model_dir):
