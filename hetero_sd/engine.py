@@ -69,7 +69,10 @@ class Engine:
 
     @policy.setter
     def policy(self, policy) -> None:
-        # as set: the policy a seeded sampled request drafts by, whatever later timings teach
+        """A seeded sampled request drafts by a copy of the policy as assigned here (its
+        draft lengths must not follow the timings later requests teach it): to change
+        what such requests draft by, assign a policy (changes made to it in place reach
+        the other requests only)."""
         self._policy, self._prior_policy = policy, copy.deepcopy(policy)
 
     @property
@@ -220,18 +223,19 @@ class Engine:
         params = self.sampling if sampling is None else sampling
         constraint = Constraint.of(constraint) or self.constraint
         drafter, policy = None, self.policy
+        # a seeded sampled request's draft lengths decide how its random draws are used: they
+        # follow its own acceptance under the policy as assigned, never timings others taught
+        seeded = params.seed is not None and not params.greedy
         if speculate and self.drafter is not None and not concurrent:
             drafter = self._drafter
-            policy.reset()  # acceptance is per request; learnt costs are kept
         elif speculate and concurrent and self.forks_drafter:
             drafter = FailoverDrafter(self.drafter.fork(), NoFallback())
-            policy = copy.deepcopy(self.policy)  # learnt costs carried over, acceptance per request
-            policy.reset()
-        if drafter is not None and params.seed is not None and not params.greedy:
-            # its draft lengths decide how its random draws are used: they follow its own
-            # acceptance under the policy as built, never the timings earlier requests taught
-            policy, learn_timings = copy.deepcopy(self._prior_policy), False
-            policy.reset()
+        if drafter is not None and (concurrent or seeded):
+            # a copy: learnt costs carried over (the prior alone when seeded), acceptance per request
+            policy = copy.deepcopy(self._prior_policy if seeded else self.policy)
+            learn_timings = learn_timings and not seeded
+        if drafter is not None:
+            policy.reset()  # acceptance is per request; learnt costs are kept
         stats = GenerationStats(mode=drafter.name if drafter is not None else "target-only",
                                 prompt_tokens=len(prompt_ids), sampling=params.describe())
         history = TokenHistory(prompt_ids)

@@ -12,7 +12,9 @@ and the optional timings are the seconds the drafter and the verify took
 (catch_up_s: the part of the draft's that took in context it had not drafted,
 DraftResult.catch_up_s, which does not price later draft steps).
 Policies are deterministic functions of those observations: no clock, no
-randomness inside.
+randomness inside. They are plain data a deep copy duplicates: the engine keeps
+a copy as assigned, which seeded sampled requests draft by, and a batching
+server gives each request a copy.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ class FixedDraftLength:
             observe_draft(self._draft, drafted, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
-            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s), self._verify(1))
+            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s, self._draft.step_s()),
+                               self._verify(1))
         self._rounds += 1
         if self._rounds % REPRICE_EVERY == 0:  # (costs move slowly; pricing is ~50 us)
             self._prices = None
@@ -116,11 +119,14 @@ def priced(prices: DraftPrices, rate: AchievedRate) -> DraftPrices:
     return replace(prices, rate=rate.value)
 
 
-def round_seconds(verify_s: float, draft_s: float | None, catch_up_s: float) -> float:
+def round_seconds(verify_s: float, draft_s: float | None, catch_up_s: float, step_s: float) -> float:
     """A round's seconds as the achieved rate counts them: without a draft model's catch-up
     (its prompt, a copy it did not draft), a one-off that would drag the rate to 1 for
-    the first rounds of every request."""
-    return verify_s + max(0.0, (draft_s or 0.0) - catch_up_s)
+    the first rounds of every request; but with the first draft step, which the catch-up's
+    call made too (step_s: a draft step's seconds)."""
+    if catch_up_s <= 0:
+        return verify_s + (draft_s or 0.0)
+    return verify_s + max(0.0, (draft_s or 0.0) - catch_up_s) + step_s
 
 
 # Without a measured profile: a cheap drafter, and a verify costing 10% of a
@@ -188,6 +194,10 @@ class OnlineCurve:
         self.shape[n] = statistics.median(first)
         if len(first) >= self.min_obs:
             del self.first[n]
+
+    def step_s(self) -> float:
+        """Seconds of size 1 once any size was timed (the prior alone is no seconds), else 0."""
+        return self(1) if self.level is not None else 0.0
 
     def seen(self, n: int) -> bool:
         return self.count.get(n, 0) >= self.min_obs
@@ -352,7 +362,8 @@ class AdaptiveDraftLength:
                 observe_draft(self._draft, asked, draft_s, catch_up_s)
         if verify_s is not None:
             self._verify.observe(drafted + 1, verify_s)
-            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s), self._verify(1))
+            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s, self._draft.step_s()),
+                               self._verify(1))
             self._timed = True
         # Re-decide on new acceptance evidence, else every `redecide_every`
         # rounds: most rounds of an open-ended prompt find no n-gram match and

@@ -53,7 +53,9 @@ class HybridDrafter(Drafter):
     def fork(self) -> "HybridDrafter":
         clone = copy.copy(self)  # (drafters are constructed in drafting.build alone)
         clone.suffix, clone.head, clone.picks = self.suffix.fork(), self.head.fork(), {"suffix": 0, "head": 0}
-        clone.rate, clone._last = dict(self.rate), None
+        # (the engine's rates, also while its own seeded request gates on fresh ones)
+        rate, rounds = self._engine_gate or (self.rate, self._rounds)
+        clone.rate, clone._rounds, clone._engine_gate, clone._last = dict(rate), rounds, None, None
         return clone
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:

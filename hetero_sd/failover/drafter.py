@@ -21,6 +21,7 @@ class FailoverDrafter(Drafter):
         self.events: list[str] = []
         self._fresh = False  # `serving` has not been told the context yet
         self._capacity, self._sampler, self._guide = 0, None, None
+        self._replans = True  # this request's rounds feed the Replanner (begin: not a seeded sample's)
 
     @property
     def name(self) -> str:
@@ -40,6 +41,9 @@ class FailoverDrafter(Drafter):
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self._capacity, self._sampler, self._guide, self.serving = capacity, sampler, guide, None
+        # a seeded sampled request neither feeds the Replanner nor is re-planned: which drafter
+        # serves it must not follow earlier requests (its drafts decide how its draws are used)
+        self._replans = sampler is None or sampler.params.seed is None
         self.forget_context()
         if self.default is not None:
             self._start(self.default)
@@ -106,7 +110,7 @@ class FailoverDrafter(Drafter):
         the Replanner swap it."""
         if self.serving is not None:
             self.serving.observe(drafted, accepted)
-        if self.replanner is None or self.serving is None or not drafted:
+        if self.replanner is None or self.serving is None or not drafted or not self._replans:
             return
         replacement = self.replanner.on_round(drafted, accepted)
         if replacement is None:

@@ -240,6 +240,24 @@ def test_engine_swaps_drafter_on_replan_token_identically(ir, at):
     assert engine.drafter is second and got.stats.accepted > 0
 
 
+def test_a_seeded_sampled_request_is_never_re_planned(ir):
+    """Which drafter serves a seeded request must not follow earlier requests: its rounds
+    do not feed the Replanner (whose acceptance and round counts run across requests),
+    and it is not swapped mid-way; a greedy request's rounds still are."""
+    from hetero_sd.sampling import SamplingParams
+
+    prompt, new = _prompt(4), 20
+    target = _fake().load(ir, "fake:1", "fp32", BUDGET)
+    first = ModelDrafter(_fake().load(ir, "fake:0", "fp32", BUDGET), target.vocab_size)
+    second = ModelDrafter(_fake().load(ir, "fake:1", "fp32", BUDGET), target.vocab_size)
+    replanner = _SwapAt(1, lambda: second)
+    engine = Engine(target, first, k=3, replanner=replanner)
+    seeded = engine.generate_ids(prompt, new, sampling=SamplingParams(0.8, seed=3))
+    assert replanner.rounds == 0 and engine.drafter is first and seeded.stats.drafted > 0
+    engine.generate_ids(prompt, new)  # greedy: the first round asks for the swap
+    assert replanner.rounds > 0 and engine.drafter is second
+
+
 def test_a_replacement_serves_later_requests_and_a_dropped_drafter_is_retried(ir):
     """Failover persists by design (hetero_sd/failover.py): the next request runs on
     the replacement target without failing again, while a drafter dropped with no

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from hetero_sd.drafting.hybrid import GATE_START
-
 from pathlib import Path
 
 import pytest
@@ -255,7 +253,7 @@ def test_a_seeded_request_gates_a_hybrid_s_head_on_its_own_rounds():
     from hetero_sd.drafting import ModelDrafter
     from hetero_sd.drafting.hybrid import HybridDrafter
     from hetero_sd.engine import Engine
-    from hetero_sd.sampling import SamplingParams
+    from hetero_sd.sampling import Sampler, SamplingParams
     from helpers.table_model import TableRunner
 
     hybrid = HybridDrafter(SuffixDrafter(), ModelDrafter(TableRunner(4, seed=3, noise=0.8, noise_seed=1), 4),
@@ -267,9 +265,17 @@ def test_a_seeded_request_gates_a_hybrid_s_head_on_its_own_rounds():
     for n in range(6):  # greedy requests move the engine's running rates
         engine.generate_ids([n % 4, 2, 1, 3, 0], 32)
     assert hybrid.rate != rates
+    engine_rates, engine_rounds = dict(hybrid.rate), hybrid._rounds
     again = engine.generate_ids(prompt, 32, sampling=seeded)
     assert (again.token_ids, again.stats.drafted) == (first.token_ids, first.stats.drafted)
-    assert hybrid._engine_gate is None and hybrid.rate != dict(GATE_START)  # the engine's rates are back
+    assert hybrid._engine_gate is None  # the engine's rates are back, untouched by the seeded request
+    assert (hybrid.rate, hybrid._rounds) == (engine_rates, engine_rounds)
+    # a fork made while the engine's own seeded request runs starts from the engine's rates
+    hybrid.begin(64, sampler=Sampler(seeded))
+    fork = hybrid.fork()
+    assert fork.rate == engine_rates and fork.rate is not engine_rates and fork._engine_gate is None
+    hybrid.reset()
+    assert hybrid.rate == engine_rates
 
 
 def test_batched_requests_fork_the_drafter_and_share_its_global_tree(tiny_model_dir):
