@@ -223,9 +223,11 @@ class Engine:
         params = self.sampling if sampling is None else sampling
         constraint = Constraint.of(constraint) or self.constraint
         drafter, policy = None, self.policy
-        # a seeded sampled request's draft lengths decide how its random draws are used: they
-        # follow its own acceptance under the policy as assigned, never timings others taught
-        seeded = params.seed is not None and not params.greedy
+        # a seeded sampled request's draft lengths decide how its random draws are used (unless
+        # every draft is one-hot: then its output is target-only sampling's, hetero_sd/sampling.py):
+        # they follow its own acceptance under the policy as assigned, never timings others taught
+        seeded = params.seed is not None and not params.greedy and not (
+            self.drafter is not None and self.drafter.one_hot)
         if speculate and self.drafter is not None and not concurrent:
             drafter = self._drafter
         elif speculate and concurrent and self.forks_drafter:

@@ -150,7 +150,7 @@ class Request:
         self._keep_features(n - cached)
         self.pos = n
         self.stats.prefill_s = time.perf_counter() - self.started_at
-        return self._commit([first if self.sampler is None else self.sampler.draw_target(first)])
+        return self._commit([first if self.sampler is None else self.sampler.draw_target(first, 0)])
 
     @property
     def greedy(self) -> bool:
@@ -235,7 +235,7 @@ class Request:
         if self.sampler is None:
             accepted, tokens = accept_greedy(drafts, scored)
         else:
-            accepted, tokens = self.sampler.accept(drafts, scored, step.draft_probs)
+            accepted, tokens = self.sampler.accept(drafts, scored, step.draft_probs, self.history.output_len)
         self.target.truncate(self.seq, self.pos + accepted + 1)  # rollback: a length change
         self._keep_features(accepted + 1)  # the rows of the last committed token and the accepted drafts
         self._account(len(drafts), accepted,

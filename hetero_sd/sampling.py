@@ -18,9 +18,17 @@ each model would really sample from. The n-gram drafter proposes
 deterministically: its q is one-hot, so a draft x is accepted with
 probability p(x) and the residual is p with x removed.
 
-Randomness: one seed per request feeds two independent streams (drafting and
-acceptance), so a run is reproducible token for token with the same seed and
-configuration.
+Randomness: one seed per request. Deterministic drafts (q one-hot: n-gram,
+suffix decoding) are coupled to the target's own sampling: the token committed
+at output position t is the inverse CDF of p_t at u_t, a uniform fixed by the
+seed and t alone (`Sampler.uniform`); a draft x there is accepted exactly when
+that token is x, which happens with probability p_t(x), and a rejected one is
+replaced by that token, distributed as the residual. So with such drafts the
+output is token for token what target-only sampling with the same seed gives,
+whatever was drafted, however far, from whatever earlier requests left. Drafts
+with a distribution q (draft models, heads) are drawn from the drafting stream
+and accepted by the rejection rule above on the acceptance stream (both spawned
+from the seed): reproducible with the same seed and the same draft lengths.
 """
 from __future__ import annotations
 
@@ -155,21 +163,38 @@ def accept_greedy(drafts: list[int], target_ids: list[int]) -> tuple[int, list[i
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One token from a [V] distribution by inverse CDF (one uniform per draw)."""
+    return inverse_cdf(probs, rng.random())
+
+
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
+    """The token whose CDF interval (ids in order, probs normalised) holds u in [0, 1)."""
     cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(probs) - 1))
+
+
+UNIFORM_BLOCK = 256  # per-position uniforms are drawn this many at a time
 
 
 class Sampler:
-    """The per-request sampling state: params plus the two random streams."""
+    """The per-request sampling state: params, the per-position uniforms and the two
+    random streams (module docstring)."""
 
     def __init__(self, params: SamplingParams):
         if params.greedy:
             raise ValueError("a Sampler is for temperature > 0; greedy decoding needs none")
         self.params = params
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
-        draft_seq, accept_seq = np.random.SeedSequence(seed).spawn(2)
+        draft_seq, accept_seq, position_seq = np.random.SeedSequence(seed).spawn(3)
         self.draft_rng = np.random.default_rng(draft_seq)
         self.accept_rng = np.random.default_rng(accept_seq)
+        self._position_rng = np.random.default_rng(position_seq)
+        self._uniforms = np.empty(0)
+
+    def uniform(self, position: int) -> float:
+        """u_t for output position t: the stream's t-th draw, whatever was drawn before."""
+        while position >= len(self._uniforms):
+            self._uniforms = np.concatenate([self._uniforms, self._position_rng.random(UNIFORM_BLOCK)])
+        return float(self._uniforms[position])
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
         return warp(logits, self.params)
@@ -179,15 +204,24 @@ class Sampler:
         q = self.probs(logits)[-1]
         return draw(q, self.draft_rng), q
 
-    def draw_target(self, p: np.ndarray) -> int:
-        """A token from one target distribution row (the first token after prefill)."""
-        return draw(p, self.accept_rng)
+    def draw_target(self, p: np.ndarray, position: int) -> int:
+        """The target's token at output position `position` from its distribution row p."""
+        return inverse_cdf(p, self.uniform(position))
 
-    def accept(self, drafts: list[int], p: np.ndarray, q: np.ndarray | None) -> tuple[int, list[int]]:
+    def accept(self, drafts: list[int], p: np.ndarray, q: np.ndarray | None,
+               position: int) -> tuple[int, list[int]]:
         """Modified rejection sampling. p: [len(drafts)+1, V] target distributions
         (row i follows the i-th verified token); q: [len(drafts), V] draft
-        distributions, or None for a deterministic drafter (q one-hot).
-        Returns (accepted, committed tokens = accepted drafts + recovered/bonus)."""
+        distributions, or None for a deterministic drafter (q one-hot: coupled, see
+        the module docstring); position: the output position of the round's first
+        committed token. Returns (accepted, committed tokens = accepted drafts +
+        recovered/bonus)."""
+        if q is None:  # the target's own token at each position; a draft is kept where it equals it
+            for i, x in enumerate(drafts):
+                token = self.draw_target(p[i], position + i)
+                if token != x:
+                    return i, drafts[:i] + [token]
+            return len(drafts), list(drafts) + [self.draw_target(p[len(drafts)], position + len(drafts))]
         rng = self.accept_rng
         for i, x in enumerate(drafts):
             q_x = 1.0 if q is None else q[i, x]

@@ -19,6 +19,10 @@ history, read, never copied); a drafter in another process is sent the delta
               model_free                        drafting is a lookup of microseconds (n-gram,
                                                 suffix), so a draft in a row the target computes
                                                 anyway (a padded one-token call) costs nothing
+              one_hot                           its drafts never carry a distribution (probs None:
+                                                q one-hot), so a seeded sample's output is
+                                                target-only sampling's whatever it drafts
+                                                (hetero_sd/sampling.py)
               runner                            what it drafts with in this process: a
                                                 backends.base.Runner for a draft model, a head
                                                 runner for a head; None when model-free or in
@@ -42,6 +46,7 @@ class Drafter(ABC):
     takes_guide: bool = True
     feature_layers: tuple[int, ...] = ()
     model_free: bool = False
+    one_hot: bool = False
     runner = None  # (see the module docstring)
     _view: Sequence[int] | None = None  # the context of the latest request (context_for)
     _owns_view = False

@@ -28,6 +28,12 @@ from hetero_sd.ir.errors import ConfigError
 from hetero_sd.loading import Loader
 
 
+def _suffix_args(spec: SuffixSpec, target_vocab: int) -> dict:
+    corpus = load_corpus(spec.corpus, target_vocab) if spec.corpus is not None else ()
+    return dict(max_depth=spec.max_depth, factor=spec.factor, min_token_prob=spec.min_token_prob,
+                max_cached_requests=spec.max_cached_requests, corpus=corpus)
+
+
 def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = None) -> Drafter:
     """The drafter `spec` describes. A WorkerSpec's worker is started (not
     awaited: call wait_ready() on the result, after loading the target)."""
@@ -35,8 +41,9 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, NgramSpec):
         return NgramDrafter(spec.min_ngram, spec.max_ngram)
     if isinstance(spec, SuffixSpec):
-        corpus = load_corpus(spec.corpus, target_vocab) if spec.corpus is not None else ()
-        return SuffixDrafter(spec.max_depth, spec.factor, spec.min_token_prob, spec.max_cached_requests, corpus=corpus)
+        # alone its drafts are one-hot, so a seeded sample is target-only sampling's whatever
+        # it drafts (hetero_sd/sampling.py): earlier requests' outputs may draft for it too
+        return SuffixDrafter(**_suffix_args(spec, target_vocab), global_for_seeded=True)
     if isinstance(spec, ModelSpec):
         if spec.translate is not None:
             return cross_vocab_drafter(spec, target_vocab, load)
@@ -47,8 +54,10 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, HybridSpec):
         # a draft model's min_prob bounds its drafts; a head's weak rounds are gated by its rate
         gate = None if isinstance(spec.head, ModelSpec) else HEAD_MIN_RATE
-        return HybridDrafter(build_drafter(spec.suffix, target_vocab, load), build_drafter(spec.head, target_vocab, load),
-                             spec.min_match, gate)
+        # (not for a seeded sample: which rounds its lookup serves decides the head's or
+        # draft model's rounds, whose drafts decide how the sample's draws are used)
+        suffix = SuffixDrafter(**_suffix_args(spec.suffix, target_vocab), global_for_seeded=False)
+        return HybridDrafter(suffix, build_drafter(spec.head, target_vocab, load), spec.min_match, gate)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)
         try:

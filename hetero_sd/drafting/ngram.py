@@ -18,6 +18,7 @@ class NgramDrafter(Drafter):
 
     name = "ngram"  # deterministic proposals: under sampling its q is one-hot (probs=None)
     model_free = True
+    one_hot = True  # deterministic proposals: probs None under sampling
     can_fork = True
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4):

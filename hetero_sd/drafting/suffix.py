@@ -29,12 +29,14 @@ on the drafter for a caller that arbitrates between drafters.
 Proposals are a deterministic function of the context and of the global tree
 (earlier requests), so under sampling their q is one-hot (probs=None), as
 with the n-gram drafter, and greedy output is the target's whatever is drafted.
-A sampled request's tokens do depend on its drafts (they decide how its
-random draws are used), so a seeded sampled request drafts from its own tree
-and the corpus alone (a tree of the pinned sequences only, built on the first
-such request and shared by the forks): its output depends on its seed, its
-prompt and the drafter's configuration, never on which requests ran before
-(global_for_seeded=True trades that for earlier requests' drafts too).
+Alone, its one-hot drafts are coupled to the target's own draws
+(hetero_sd/sampling.py): a seeded sampled output is target-only sampling's
+whatever it drafts, so it drafts from everything (global_for_seeded=True, as
+drafting.build makes it). Inside a hybrid, which rounds it serves decides the
+draft model's or head's rounds, whose drafts decide how the draws are used:
+there (global_for_seeded=False) a seeded sampled request drafts from its own
+tree and the corpus alone (a tree of the pinned sequences only, built on the
+first such request and shared by the forks), never from earlier requests.
 
 Both trees are suffix tries truncated at `depth` = max_depth + MAX_DRAFT_TOKENS
 (room for a full draft after the longest match): the request tree in
@@ -59,6 +61,7 @@ class SuffixDrafter(Drafter):
 
     name = "suffix"  # deterministic proposals: under sampling its q is one-hot (probs=None)
     model_free = True
+    one_hot = True  # deterministic proposals: probs None under sampling
     can_fork = True  # fork(): a drafter per concurrent sequence (the batching server)
 
     def __init__(self, max_depth: int = 24, factor: float = 1.0, min_token_prob: float = 0.1,

@@ -21,7 +21,7 @@ RUNNER_OPTIONAL = {"max_batch": 1, "forward_batch": None, "feature_layers": (), 
                    "draft_only": None}
 DRAFTER_REQUIRED = {"begin", "draft", "reset"}
 DRAFTER_OPTIONAL = {"can_fork": False, "fork": None, "takes_guide": True, "feature_layers": (), "runner": None,
-                    "observe": None, "wait_ready": None, "close": None, "model_free": False}
+                    "observe": None, "wait_ready": None, "close": None, "model_free": False, "one_hot": False}
 
 
 def _runner_classes():
@@ -93,7 +93,8 @@ def test_each_built_in_drafter_declares_or_inherits_every_capability(cls):
 
 _OURS = ("copy_prefix", "fork", "take_features", "feature_layers", "close", "observe", "max_batch",
          "forward_batch", "set_cost", "runner", "location", "wait_ready", "can_fork", "can_copy_prefix",
-         "takes_guide", "partial", "release_pages", "blocks", "pads_single_row", "model_free", "draft_prices")
+         "takes_guide", "partial", "release_pages", "blocks", "pads_single_row", "model_free", "one_hot",
+         "draft_prices")
 _PROBE = re.compile(r"""(hasattr|getattr)\([^()]*?["'](%s)["']""" % "|".join(_OURS))
 
 

@@ -74,7 +74,7 @@ def test_emitted_distribution_matches_target(params, drafter):
 
 def test_wrong_acceptance_rule_is_detected(monkeypatch):
     """Power check: accepting every draft (no rejection step) must fail the same test."""
-    def accept_all(self, drafts, p, q):
+    def accept_all(self, drafts, p, q, position):
         return len(drafts), list(drafts) + [int(np.argmax(self.accept_rng.multinomial(1, p[len(drafts)])))]
 
     monkeypatch.setattr(Sampler, "accept", accept_all)

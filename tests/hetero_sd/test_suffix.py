@@ -155,25 +155,38 @@ def test_yaml_suffix_drafter_in_process_persists_across_requests(tiny_model_dir,
     assert engine.drafter is drafter and len(drafter.global_tree.order) == 1
 
 
-def test_a_seeded_sampled_request_does_not_depend_on_earlier_ones():
-    """Its drafts decide how its random draws are used: from its own tree alone,
-    the same seed gives the same tokens whatever ran before; drafting from the
-    global tree too (global_for_seeded) it may not."""
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, "auto"])
+def test_a_seeded_sample_with_one_hot_drafts_is_target_only_sampling(k):
+    """One-hot drafts (n-gram, suffix decoding: Drafter.one_hot) are coupled to the target's
+    own draws (hetero_sd/sampling.py): a seeded sampled output is, token for token, what
+    target-only sampling with that seed gives, whatever the drafter drafts from (its own
+    text, earlier requests' outputs, a corpus), at any k, after any other requests."""
+    import random
+
+    from hetero_sd.drafting.ngram import NgramDrafter
     from hetero_sd.engine import Engine
     from hetero_sd.sampling import SamplingParams
+    from hetero_sd.scheduler import AdaptiveDraftLength
     from helpers.table_model import TableRunner
 
-    prompt, seeded = [0, 1, 2, 0, 1], SamplingParams(1.0, seed=5)
-    outputs = {}
-    for global_for_seeded in (False, True):
-        engine = Engine(TableRunner(4, seed=0), SuffixDrafter(global_for_seeded=global_for_seeded), k=3)
-        runs = []
-        for other_seed in range(12):
-            runs.append(engine.generate_ids(prompt, 24, sampling=seeded).token_ids)
-            engine.generate_ids(prompt, 24, sampling=SamplingParams(1.0, seed=100 + other_seed))
-        outputs[global_for_seeded] = runs
-    assert all(run == outputs[False][0] for run in outputs[False])
-    assert any(run != outputs[True][0] for run in outputs[True])  # the test can tell
+    rng = random.Random(7)
+    corpus = [[rng.randrange(4) for _ in range(30)] for _ in range(4)]
+    drafters = {"suffix": SuffixDrafter(global_for_seeded=True), "suffix-corpus": SuffixDrafter(corpus=corpus),
+                "ngram": NgramDrafter(1, 3)}
+    for name, drafter in drafters.items():
+        policy = AdaptiveDraftLength(8) if k == "auto" else None
+        engine = Engine(TableRunner(4, seed=0), drafter, k=3 if k == "auto" else k, policy=policy)
+        drafted = 0
+        for seed in range(6):
+            prompt = [seed % 4, 1, 2, 0, 1, 3]
+            params = SamplingParams(0.9, top_p=0.95, seed=seed)
+            alone = engine.generate_ids(prompt, 28, target_only=True, sampling=params).token_ids
+            engine.generate_ids(prompt, 28, sampling=SamplingParams(1.0, seed=100 + seed))  # other requests
+            engine.generate_ids(prompt, 28)
+            res = engine.generate_ids(prompt, 28, sampling=params)
+            assert res.token_ids == alone, (name, k, seed)
+            drafted += res.stats.drafted
+        assert drafted > 0, name  # (drafts were made and verified)
 
 
 def test_a_seeded_sampled_request_drafts_from_the_corpus_and_stays_reproducible():
@@ -224,15 +237,19 @@ class _Dear:
 
 
 def test_a_seeded_request_drafts_by_the_policy_as_built_not_by_learnt_timings():
-    """k: auto learns costs from greedy requests' timings; a seeded sampled request's draft
-    lengths decide how its draws are used, so it drafts by the policy as built."""
+    """k: auto learns costs from greedy requests' timings; a seeded sampled request whose
+    drafts carry a distribution (a draft model's) has its draws used as its draft lengths
+    say, so it drafts by the policy as built."""
+    from hetero_sd.drafting import ModelDrafter
     from hetero_sd.engine import Engine
     from hetero_sd.sampling import SamplingParams
     from hetero_sd.scheduler import AdaptiveDraftLength
+    from helpers.table_model import TableRunner
 
     timed = _Dear().cls
     prompt, seeded = [0, 1, 2, 0, 1, 2, 0, 1], SamplingParams(1.0, seed=9)
-    engine = Engine(timed(4, seed=0), SuffixDrafter(), policy=AdaptiveDraftLength(6))
+    drafter = ModelDrafter(TableRunner(4, seed=0, noise=0.3, noise_seed=2), 4)
+    engine = Engine(timed(4, seed=0), drafter, policy=AdaptiveDraftLength(6))
     first = engine.generate_ids(prompt, 32, sampling=seeded)
     before = engine.policy.round_cost().verify(7) / engine.policy.round_cost().verify(1)
     timed.dear = True
