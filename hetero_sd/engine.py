@@ -226,16 +226,16 @@ class Engine:
         # a seeded sampled request's draft lengths decide how its random draws are used (unless
         # every draft is one-hot: then its output is target-only sampling's, hetero_sd/sampling.py):
         # they follow its own acceptance under the policy as assigned, never timings others taught
-        seeded = params.seed is not None and not params.greedy and not (
+        by_prior = params.seed is not None and not params.greedy and not (
             self.drafter is not None and self.drafter.one_hot)
         if speculate and self.drafter is not None and not concurrent:
             drafter = self._drafter
         elif speculate and concurrent and self.forks_drafter:
             drafter = FailoverDrafter(self.drafter.fork(), NoFallback())
-        if drafter is not None and (concurrent or seeded):
+        if drafter is not None and (concurrent or by_prior):
             # a copy: learnt costs carried over (the prior alone when seeded), acceptance per request
-            policy = copy.deepcopy(self._prior_policy if seeded else self.policy)
-            learn_timings = learn_timings and not seeded
+            policy = copy.deepcopy(self._prior_policy if by_prior else self.policy)
+            learn_timings = learn_timings and not by_prior
         if drafter is not None:
             policy.reset()  # acceptance is per request; learnt costs are kept
         stats = GenerationStats(mode=drafter.name if drafter is not None else "target-only",

@@ -190,6 +190,11 @@ class Sampler:
         self._position_rng = np.random.default_rng(position_seq)
         self._uniforms = np.empty(0)
 
+    @property
+    def seeded(self) -> bool:
+        """The request gave a seed: its run must reproduce (module docstring)."""
+        return self.params.seed is not None
+
     def uniform(self, position: int) -> float:
         """u_t for output position t: the stream's t-th draw, whatever was drawn before."""
         while position >= len(self._uniforms):

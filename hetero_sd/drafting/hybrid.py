@@ -64,7 +64,7 @@ class HybridDrafter(Drafter):
         self.head.begin(capacity, sampler, guide)
         # A seeded sampled request's picks decide how its random draws are used, so they must
         # not follow earlier requests: it gates on running rates of its own, from the start.
-        if sampler is not None and sampler.params.seed is not None:
+        if sampler is not None and sampler.seeded:
             self._engine_gate = (self.rate, self._rounds)
             self.rate, self._rounds = dict(GATE_START), 0
 

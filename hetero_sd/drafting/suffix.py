@@ -61,7 +61,7 @@ class SuffixDrafter(Drafter):
 
     name = "suffix"  # deterministic proposals: under sampling its q is one-hot (probs=None)
     model_free = True
-    one_hot = True  # deterministic proposals: probs None under sampling
+    one_hot = True
     can_fork = True  # fork(): a drafter per concurrent sequence (the batching server)
 
     def __init__(self, max_depth: int = 24, factor: float = 1.0, min_token_prob: float = 0.1,
@@ -112,7 +112,7 @@ class SuffixDrafter(Drafter):
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
         self._guide = guide
-        seeded = sampler is not None and sampler.params.seed is not None
+        seeded = sampler is not None and sampler.seeded
         self._global = self.global_tree if self.global_for_seeded or not seeded else self._corpus_tree()
 
     def _corpus_tree(self) -> GlobalTree | None:

@@ -43,7 +43,7 @@ class FailoverDrafter(Drafter):
         self._capacity, self._sampler, self._guide, self.serving = capacity, sampler, guide, None
         # a seeded sampled request neither feeds the Replanner nor is re-planned: which drafter
         # serves it must not follow earlier requests (its drafts decide how its draws are used)
-        self._replans = sampler is None or sampler.params.seed is None
+        self._replans = sampler is None or not sampler.seeded
         self.forget_context()
         if self.default is not None:
             self._start(self.default)
