@@ -83,6 +83,9 @@ class DeviceInfo:
     description: str
     precisions: tuple[PrecisionInfo, ...]
     default_precision: str
+    # precisions this kind of backend has but this device cannot run, with why
+    # ("bf16", "needs compute capability 8.0"): named when asked for
+    lacks: tuple[tuple[str, str], ...] = ()
 
     def precision(self, name: str) -> PrecisionInfo | None:
         return next((p for p in self.precisions if p.name == name), None)
@@ -244,6 +247,10 @@ def resolve(devices: list[DeviceInfo], backend: str, device: str, precision: str
                            f"available: {', '.join(d.device for d in devices) or 'none'}")
     name = info.default_precision if precision == "default" else precision
     prec = info.precision(name)
+    why = dict(info.lacks).get(name)
+    if prec is None and why is not None:
+        raise BackendError(f"{backend}:{info.device} ({info.description}) lacks precision {name!r}: {why}; "
+                           f"supported: {', '.join(p.name for p in info.precisions)}")
     if prec is None:
         raise BackendError(f"{backend}:{info.device} does not support precision {name!r}; "
                            f"supported: {', '.join(p.name for p in info.precisions)}")

@@ -22,7 +22,8 @@ GROUP = "hetero_sd.backends"
 ENV = "HETERO_SD_BACKENDS"  # comma-separated name=module:Class, loaded like plugins
 BUILTINS = {"torch": "hetero_sd.backends.torch_backend:TorchBackend",
             "onnxruntime": "hetero_sd.backends.ort_backend:OrtBackend",
-            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend"}
+            "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend",
+            "cuda": "hetero_sd.backends.cuda.backend:CudaBackend"}
 
 
 @dataclass

@@ -27,6 +27,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # all find it; it sees no device unless HETERO_SD_FAKE_BACKEND declares some.
 os.environ["HETERO_SD_BACKENDS"] = "fake=hetero_sd.testing.fake_backend:FakeBackend"
 
+# The cuda backend's Triton kernels run interpreted on CPU tensors where no GPU is (its
+# `cpu` device, backends/cuda/backend.py); on a GPU host they compile for the GPU. Triton
+# reads this when it is first imported, so it is set before any test imports it.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
