@@ -43,8 +43,9 @@ class GraphCache:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(rows, splits)
-        for name in ("ids", "pos", "base", "slots"):
-            getattr(g.rows, name).copy_(getattr(rows, name))
+        for static, now in ((g.rows.ids, rows.ids), (g.rows.pos, rows.pos), (g.rows.base, rows.base),
+                            (g.rows.slots, rows.slots)):
+            static.copy_(now)
         g.graph.replay()
         return (g.ids if greedy else g.logits).clone()
 

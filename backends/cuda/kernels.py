@@ -20,10 +20,11 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["M"])
-def matmul_partial(x_ptr, w_ptr, part_ptr, M, N, K, k_per_split,
+def matmul_partial(x_ptr, w_ptr, part_ptr, bias_ptr, M, N, K, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """part[s, m, n] = sum over split s's K range of x[m, k] * w[n, k] (float32)."""
+                   PRECISION: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """part[s, m, n] = sum over split s's K range of x[m, k] * w[n, k] (float32); DIRECT
+    (K in one split): y = that sum + bias, cast to part's type, with no second kernel."""
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -37,14 +38,26 @@ def matmul_partial(x_ptr, w_ptr, part_ptr, M, N, K, k_per_split,
         a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
         b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
         acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    out = part_ptr + (pid_s * M + rm64)[:, None] * N + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT, HAS_BIAS)
+
+
+@triton.jit
+def _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out = part_ptr + (pid_s * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(part_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def matmul_blocks_partial(x_ptr, q_ptr, scale_ptr, offset_ptr, part_ptr, M, N, K, k_per_split, zero,
+def matmul_blocks_partial(x_ptr, q_ptr, scale_ptr, offset_ptr, part_ptr, bias_ptr, M, N, K, k_per_split, zero,
                           GROUP: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """As matmul_partial, with w[n, k] a GGUF block's value, dequantized here exactly as
     ir/quant.dequantize does: (q - zero) * scale, or q * scale - offset (q * scale is
     exact in float32 for every block type, so a fused multiply-add rounds alike).
@@ -74,8 +87,7 @@ def matmul_blocks_partial(x_ptr, q_ptr, scale_ptr, offset_ptr, part_ptr, M, N, K
         else:
             w = (q - zero) * s
         acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
-    out = part_ptr + (pid_s * M + rm64)[:, None] * N + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -146,17 +158,20 @@ def gated(gu_ptr, y_ptr, I, GELU: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * I + cols, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["kv_stride_h"])
+@triton.jit(do_not_specialize=["kv_stride_h", "MAX_SPLITS"])
 def attention_split(q_ptr, k_ptr, v_ptr, pos_ptr, base_ptr, part_ptr, ml_ptr,
-                    heads, groups, D, kv_stride_h, window, scale, softcap,
-                    SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One (row, head, split): the online softmax of the row's query over the keys at
-    absolute positions [split * SPLIT, (split + 1) * SPLIT) that it sees, in blocks of
+                    heads, groups, D, kv_stride_h, window, scale, softcap, MAX_SPLITS,
+                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One (row, KV head, split): the online softmax of the row's queries of every head
+    that shares this KV head (GQA: K and V are read once for the group) over the keys at
+    absolute positions [split * SPLIT, (split + 1) * SPLIT) the row sees, in blocks of
     BLOCK_N aligned to positions. k/v: one layer's pool [kv_heads, capacity, D]; a row
     at position p of a sequence whose position 0 sits at pool slot b reads slots b..b+p.
-    Writes the split's unnormalised sum (part) and its max and weight (ml)."""
-    row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    Writes each head's unnormalised sum (part) and its max and weight (ml). The group
+    is padded to GROUP_PAD (>= 16, tl.dot's least) rows of zeros; IEEE products, so
+    softmax weights are not rounded to tf32."""
+    row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = tl.load(pos_ptr + row)
     base = tl.load(base_ptr + row)
     lo = tl.where(window > 0, tl.maximum(pos + 1 - window, 0), 0)
@@ -164,37 +179,41 @@ def attention_split(q_ptr, k_ptr, v_ptr, pos_ptr, base_ptr, part_ptr, ml_ptr,
     s_hi = tl.minimum(s_lo + SPLIT, pos + 1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(q_ptr + (row * heads + head) * D + d, mask=dmask, other=0.0).to(tl.float32)
-    kv = (head // groups).to(tl.int64) * kv_stride_h  # a pool past 2**31 values: 64-bit offsets
-    m = tl.full([], -float("inf"), tl.float32)
-    l = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    g = tl.arange(0, GROUP_PAD)
+    gmask = g < groups
+    head = kvh * groups + g
+    q = tl.load(q_ptr + (row * heads + head)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)
+    kv = kvh.to(tl.int64) * kv_stride_h  # a pool past 2**31 values: 64-bit offsets
+    m = tl.full([GROUP_PAD], -float("inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), dtype=tl.float32)
     for start in range(s_lo, s_hi, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)
         valid = (p < s_hi) & (p >= lo)
         offs = kv + (base + p).to(tl.int64)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if SOFTCAP:
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
-        s = tl.where(valid, s, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
+        s = tl.where(valid[None, :], s, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
-        w = tl.exp(s - m_safe)
+        w = tl.exp(s - m_safe[:, None])
         v = tl.load(v_ptr + offs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
-        l = l * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.dot(w, v, input_precision="ieee")
+        l = l * alpha + tl.sum(w, axis=1)
         m = m_new
     slot = (row * heads + head) * MAX_SPLITS + split
-    tl.store(part_ptr + slot * BLOCK_D + d, acc)
-    tl.store(ml_ptr + slot * 2, m)
-    tl.store(ml_ptr + slot * 2 + 1, l)
+    tl.store(part_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(ml_ptr + slot * 2, m, mask=gmask)
+    tl.store(ml_ptr + slot * 2 + 1, l, mask=gmask)
 
 
-@triton.jit
-def attention_combine(part_ptr, ml_ptr, pos_ptr, out_ptr, heads, D,
-                      SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["MAX_SPLITS"])
+def attention_combine(part_ptr, ml_ptr, pos_ptr, out_ptr, heads, D, MAX_SPLITS,
+                      SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (row, head): the row's own splits (those up to its position) merged in index
     order, normalised, cast to the output's type."""
     row, head = tl.program_id(0), tl.program_id(1)

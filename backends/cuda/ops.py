@@ -117,21 +117,23 @@ class Kernels:
         splits = self.k_splits(n, k)
         per = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
         splits = triton.cdiv(k, per)
-        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        y = torch.empty((m, n), dtype=out_dtype or self.dtype, device=x.device)
+        direct = splits == 1  # the sum, bias and cast in the one kernel
+        part = y if direct else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        bias = weight.bias if weight.bias is not None else part
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
+        flags = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
+                     HAS_BIAS=weight.bias is not None)
         if isinstance(weight, Dense):
-            K.matmul_partial[grid](x, weight.w, part, m, n, k, per, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                   BLOCK_K=BLOCK_K, PRECISION=self.precision)
+            K.matmul_partial[grid](x, weight.w, part, bias, m, n, k, per, PRECISION=self.precision, **flags)
         else:
             off = weight.offset if weight.offset is not None else weight.scale
-            K.matmul_blocks_partial[grid](x, weight.q, weight.scale, off, part, m, n, k, per, weight.zero,
+            K.matmul_blocks_partial[grid](x, weight.q, weight.scale, off, part, bias, m, n, k, per, weight.zero,
                                           GROUP=weight.group, BITS=weight.bits,
-                                          HAS_OFFSET=weight.offset is not None,
-                                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-        y = torch.empty((m, n), dtype=out_dtype or self.dtype, device=x.device)
-        bias = weight.bias if weight.bias is not None else part
-        K.matmul_finish[(m, triton.cdiv(n, 256))](part, bias, y, m, n, SPLITS=splits,
-                                                  HAS_BIAS=weight.bias is not None, BLOCK=256)
+                                          HAS_OFFSET=weight.offset is not None, **flags)
+        if not direct:
+            K.matmul_finish[(m, triton.cdiv(n, 256))](part, bias, y, m, n, SPLITS=splits,
+                                                      HAS_BIAS=weight.bias is not None, BLOCK=256)
         return y
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,16 +165,17 @@ class Kernels:
         need (ceil((max position + 1) / attn_split)); a row merges only its own."""
         rows, heads, d = q.shape
         kv_heads, cap = k_pool.shape[0], k_pool.shape[1]
-        bd = triton.next_power_of_2(d)
+        bd = max(16, triton.next_power_of_2(d))
         part = torch.empty((rows, heads, splits, bd), dtype=torch.float32, device=q.device)
         ml = torch.empty((rows, heads, splits, 2), dtype=torch.float32, device=q.device)
-        K.attention_split[(rows, heads, splits)](
-            q, k_pool, v_pool, pos, base, part, ml, heads, heads // kv_heads, d, cap * d, window or 0,
-            scale, softcap or 1.0, SPLIT=self.attn_split, MAX_SPLITS=splits, BLOCK_N=self.attn_block,
-            BLOCK_D=bd, SOFTCAP=softcap is not None)
+        groups = heads // kv_heads
+        K.attention_split[(rows, kv_heads, splits)](
+            q, k_pool, v_pool, pos, base, part, ml, heads, groups, d, cap * d, window or 0,
+            scale, softcap or 1.0, splits, SPLIT=self.attn_split, BLOCK_N=self.attn_block,
+            BLOCK_D=bd, GROUP_PAD=max(16, triton.next_power_of_2(groups)), SOFTCAP=softcap is not None)
         out = torch.empty_like(q)
-        K.attention_combine[(rows, heads)](part, ml, pos, out, heads, d, SPLIT=self.attn_split,
-                                           MAX_SPLITS=splits, BLOCK_D=bd)
+        K.attention_combine[(rows, heads)](part, ml, pos, out, heads, d, splits, SPLIT=self.attn_split,
+                                           BLOCK_D=bd)
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

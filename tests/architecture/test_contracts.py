@@ -25,6 +25,7 @@ DRAFTER_OPTIONAL = {"can_fork": False, "fork": None, "takes_guide": True, "featu
 
 
 def _runner_classes():
+    from hetero_sd.backends.cuda.runner import CudaRunner
     from hetero_sd.backends.openvino_backend import OpenVINORunner
     from hetero_sd.backends.ort_backend import OrtRunner
     from hetero_sd.backends.torch_runner import TorchRunner
@@ -32,7 +33,7 @@ def _runner_classes():
     from hetero_sd.failover import FailoverRunner
     from hetero_sd.testing.fake_backend import FakeRunner
 
-    return [TorchRunner, OrtRunner, OpenVINORunner, FakeRunner, RayRunner, FailoverRunner, RequiredOnly]
+    return [TorchRunner, OrtRunner, OpenVINORunner, CudaRunner, FakeRunner, RayRunner, FailoverRunner, RequiredOnly]
 
 
 def _drafter_classes():

@@ -22,7 +22,22 @@ def test_expected_examples_exist():
 @pytest.mark.parametrize("name", ALL)
 def test_loads(name):
     cfg = load_config(PACKAGED / name)
-    assert cfg.target.backend in ("torch", "onnxruntime", "openvino")
+    assert cfg.target.backend in ("torch", "onnxruntime", "openvino", "cuda")
+
+
+def test_cuda_config_runs_on_the_interpreter(tiny_model_dir):
+    """configs/cuda-cpu.yaml as shipped but its models and sizes: the cuda target on the
+    Triton interpreter's cpu device (TRITON_INTERPRET=1, tests/conftest.py), the CPU draft."""
+    overrides = {"target.model": str(tiny_model_dir("llama")), "target.device": "cpu",
+                 "drafter.model": str(tiny_model_dir("llama", seed=1)), "memory.kv_budget": "4MiB"}
+    engine = Engine.from_config(load_config(PACKAGED / "cuda-cpu.yaml", overrides))
+    try:
+        prompt = "Repeat exactly: red green blue, red green blue."
+        spec = engine.generate(prompt, max_new_tokens=6)
+        base = engine.generate(prompt, max_new_tokens=6, target_only=True)
+        assert spec.token_ids == base.token_ids and spec.stats.lossless == "exact"
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from helpers.tiny_models import make_tokenizer, random_prompt
 REGISTRY = discover()
 
 
-def _engine(folder, backend="torch", precision="fp32", budget=8 << 20, drafter=True):
-    target = REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, budget)
+def _engine(folder, backend="torch", precision="fp32", budget=8 << 20, drafter=True, device="cpu"):
+    target = REGISTRY.get(backend).load(load_model_ir(folder), device, precision, budget)
     return Engine(target, NgramDrafter(1, 3) if drafter else None, k=4, tokenizer=make_tokenizer())
 
 
@@ -89,6 +89,21 @@ def test_batched_greedy_equals_solo_target_only(tiny_model_dir, backend, precisi
         assert "".join(e.text for e in c.events) == res.text
         drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
     assert drafted > 0 and 0 < accepted < drafted  # both accepted and rejected drafts ran
+
+
+def test_batched_on_the_cuda_backend(tiny_model_dir):
+    """The server's batches on the exact cuda target (its kernels interpreted here: a
+    few short requests) equal each request alone."""
+    from hetero_sd.backends.cuda.backend import interpreting
+
+    engine = _engine(tiny_model_dir("qwen2"), "cuda", "fp32", device="cpu" if interpreting() else "cuda:0")
+    rng = random.Random(7)
+    requests = [Submission(_prompt(rng, i)[:12], rng.randint(3, 6)) for i in range(6)]
+    batch, collectors = _serve(engine, requests, stagger=2)
+    assert batch.steps < sum(r.max_new_tokens for r in requests)  # rounds were shared
+    for req, c in zip(requests, collectors):
+        assert c.result.token_ids == engine.generate_ids(req.prompt_ids, req.max_new_tokens,
+                                                         target_only=True).token_ids
 
 
 def test_seeded_sampling_reproduces_whatever_runs_beside_it(tiny_model_dir):
