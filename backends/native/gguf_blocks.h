@@ -61,6 +61,21 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
 #endif
 }
 
+/* as dot4 for weights of all 8 bits (Q8_0's q + 128): without VNNI, maddubs would saturate
+ * its int16 pairs (255 x 127 x 2 > 32767), so the weight goes in as its two nibbles,
+ * each pair then small enough, and the high one's sums count 16 times: exact */
+static inline __m256i dot4_u8(__m256i acc, __m256i w, __m256i a) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return dot4(acc, w, a);
+#else
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(w, low), a);
+  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), a);
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+#endif
+}
+
 static inline __m256i bcast4(const void* a) { int32_t v; memcpy(&v, a, 4); return _mm256_set1_epi32(v); }
 
 /* acc + (p[2i] s[2i] + p[2i+1] s[2i+1]) per int32 lane, int16 pairs: exact either way */
@@ -119,6 +134,7 @@ enum { PAIRS = 1 };
 typedef __m512i vec;
 enum { NV = 1 };  /* vectors a step pair */
 static inline vec v_dot(vec acc, vec w, vec a) { return _mm512_dpbusd_epi32(acc, w, a); }
+static inline vec v_dot8(vec acc, vec w, vec a) { return _mm512_dpbusd_epi32(acc, w, a); }
 static inline void v_pair(const uint8_t* p, vec* v) { v[0] = _mm512_loadu_si512((const void*)p); }
 /* the activations of step t of a pair (a: the pair's 8) */
 static inline vec v_acts(const int8_t* a, int t) { int64_t x; (void)t; memcpy(&x, a, 8); return _mm512_set1_epi64(x); }
@@ -154,6 +170,7 @@ enum { PAIRS = 0 };
 typedef __m256i vec;
 enum { NV = 2 };
 static inline vec v_dot(vec acc, vec w, vec a) { return dot4(acc, w, a); }
+static inline vec v_dot8(vec acc, vec w, vec a) { return dot4_u8(acc, w, a); }  /* all 8 bits: Q8_0 */
 /* a pair's even step, then its odd one, 8 columns each */
 static inline void v_pair(const uint8_t* p, vec* v) {
   v[0] = _mm256_loadu_si256((const __m256i*)p);
@@ -390,7 +407,7 @@ static inline __attribute__((always_inline)) void legacy_unit(const Job* j, int6
         for (int t = 0; t < NV; t++)
 #pragma GCC unroll 8
           for (int r = 0; r < mr; r++) {
-            s[r] = v_dot(s[r], w[t], v_acts(qa[r] + u * QU + h * QB + 8 * p, t));
+            s[r] = v_dot8(s[r], w[t], v_acts(qa[r] + u * QU + h * QB + 8 * p, t));
           }
       }
     } else {
