@@ -20,11 +20,14 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["M"])
-def matmul_partial(x_ptr, w_ptr, part_ptr, bias_ptr, M, N, K, k_per_split,
+def matmul_partial(x_ptr, w_ptr, scale_ptr, offset_ptr, part_ptr, bias_ptr, M, N, K, k_per_split, zero,
+                   BLOCKS: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """part[s, m, n] = sum over split s's K range of x[m, k] * w[n, k] (float32); DIRECT
-    (K in one split): y = that sum + bias, cast to part's type, with no second kernel."""
+    (K in one split): y = that sum + bias, cast to part's type, with no second kernel.
+    w: a float weight [N, K], or (BLOCKS) a GGUF weight's codes, scales and offsets
+    (_block_values)."""
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,15 +39,14 @@ def matmul_partial(x_ptr, w_ptr, part_ptr, bias_ptr, M, N, K, k_per_split,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
-        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT, HAS_BIAS)
-
-
-@triton.jit
-def _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        wmask = (rn[None, :] < N) & (kk[:, None] < k_hi)
+        if BLOCKS:
+            b = _block_values(w_ptr, scale_ptr, offset_ptr, rn, kk, K, zero, wmask, GROUP, BITS, HAS_OFFSET)
+        else:
+            b = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=wmask, other=0.0).to(tl.float32)
+        acc += tl.dot(a.to(tl.float32), b, input_precision=PRECISION)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out = part_ptr + (pid_s * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+    out = part_ptr + (pid_s * M + rm64)[:, None] * N + rn[None, :]
     if DIRECT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -53,41 +55,23 @@ def _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT: tl.cons
         tl.store(out, acc, mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def matmul_blocks_partial(x_ptr, q_ptr, scale_ptr, offset_ptr, part_ptr, bias_ptr, M, N, K, k_per_split, zero,
-                          GROUP: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """As matmul_partial, with w[n, k] a GGUF block's value, dequantized here exactly as
+@triton.jit
+def _block_values(q_ptr, scale_ptr, offset_ptr, rn, kk, K, zero, wmask,
+                  GROUP: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """The tile w[kk, rn] (float32) of a GGUF weight, dequantized exactly as
     ir/quant.dequantize does: (q - zero) * scale, or q * scale - offset (q * scale is
     exact in float32 for every block type, so a fused multiply-add rounds alike).
     BITS 4: two codes a byte, column 2j in the low nibble of byte j."""
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rm64 = rm.to(tl.int64)  # a long prefill's activations may pass 2**31 values
-    k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    groups = K // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        wmask = (rn[None, :] < N) & (kk[:, None] < k_hi)
-        a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
-        if BITS == 4:
-            byte = tl.load(q_ptr + rn[None, :] * (K // 2) + kk[:, None] // 2, mask=wmask, other=0)
-            q = ((byte >> ((kk[:, None] % 2) * 4)) & 15).to(tl.float32)
-        else:
-            q = tl.load(q_ptr + rn[None, :] * K + kk[:, None], mask=wmask, other=0).to(tl.float32)
-        g = rn[None, :] * groups + kk[:, None] // GROUP
-        s = tl.load(scale_ptr + g, mask=wmask, other=0.0)
-        if HAS_OFFSET:
-            w = q * s - tl.load(offset_ptr + g, mask=wmask, other=0.0)
-        else:
-            w = (q - zero) * s
-        acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
-    _store_partial(part_ptr, bias_ptr, acc, pid_s, rm, rn, M, N, DIRECT, HAS_BIAS)
+    if BITS == 4:
+        byte = tl.load(q_ptr + rn[None, :] * (K // 2) + kk[:, None] // 2, mask=wmask, other=0)
+        q = ((byte >> ((kk[:, None] % 2) * 4)) & 15).to(tl.float32)
+    else:
+        q = tl.load(q_ptr + rn[None, :] * K + kk[:, None], mask=wmask, other=0).to(tl.float32)
+    g = rn[None, :] * (K // GROUP) + kk[:, None] // GROUP
+    s = tl.load(scale_ptr + g, mask=wmask, other=0.0)
+    if HAS_OFFSET:
+        return q * s - tl.load(offset_ptr + g, mask=wmask, other=0.0)
+    return (q - zero) * s
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -125,12 +125,13 @@ class Kernels:
         flags = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
                      HAS_BIAS=weight.bias is not None)
         if isinstance(weight, Dense):
-            K.matmul_partial[grid](x, weight.w, part, bias, m, n, k, per, PRECISION=self.precision, **flags)
+            K.matmul_partial[grid](x, weight.w, x, x, part, bias, m, n, k, per, 0.0, BLOCKS=False, GROUP=1,
+                                   BITS=16, HAS_OFFSET=False, PRECISION=self.precision, **flags)
         else:
             off = weight.offset if weight.offset is not None else weight.scale
-            K.matmul_blocks_partial[grid](x, weight.q, weight.scale, off, part, bias, m, n, k, per, weight.zero,
-                                          GROUP=weight.group, BITS=weight.bits,
-                                          HAS_OFFSET=weight.offset is not None, **flags)
+            K.matmul_partial[grid](x, weight.q, weight.scale, off, part, bias, m, n, k, per, weight.zero,
+                                   BLOCKS=True, GROUP=weight.group, BITS=weight.bits,
+                                   HAS_OFFSET=weight.offset is not None, PRECISION="ieee", **flags)
         if not direct:
             K.matmul_finish[(m, triton.cdiv(n, 256))](part, bias, y, m, n, SPLITS=splits,
                                                       HAS_BIAS=weight.bias is not None, BLOCK=256)

@@ -23,6 +23,7 @@ import torch
 
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir
+from helpers.lossless import greedy_ids
 from helpers.tiny_models import FAMILY_VARIANTS, HF_ONLY_VARIANTS, hf_generate, hf_logits, random_prompt
 
 REGISTRY = discover()
@@ -84,16 +85,6 @@ def assert_close(got, ref, bound: float, path, ids, what: str, moe_allowance: bo
     return len(over)
 
 
-def _greedy(runner, prompt, n: int) -> list[int]:
-    """The runner's own greedy decode, one token per call after the prefill."""
-    seq = runner.allocate(len(prompt) + n)
-    out = runner.greedy(seq, prompt, 0, 1)
-    while len(out) < n:
-        out += runner.greedy(seq, out[-1:], len(prompt) + len(out) - 1, 1)
-    runner.release(seq)
-    return out
-
-
 def assert_batch_invariant(runner, context: int, width: int = 16, what: str = ""):
     """A one-row decode equals the same row inside every k-row verify, k = 1..width, bit for bit;
     a verify rolled back and re-run gives the same rows (rollback is a length)."""
@@ -123,7 +114,7 @@ def test_family_on_backend(tiny_model_dir, variant, backend, precision):
     if precision == "fp32":
         assert np.array_equal(got.argmax(-1), ref.argmax(-1))
         want = hf_generate(folder, prompt[:9], 16)  # shorter where it ends at the end token
-        assert _greedy(runner, prompt[:9], 16)[:len(want)] == want
+        assert greedy_ids(runner, prompt[:9], 16)[:len(want)] == want
     assert runner.precision.batch_invariant
     for context in (5, 30):  # inside and past Gemma's window of 8
         assert_batch_invariant(runner, context, what=f"{variant} on {backend} {precision}")

@@ -23,3 +23,13 @@ def assert_lossless(engine, prompt, max_new: int, label: str):
     assert spec.token_ids == base.token_ids, f"{label}: diverged"
     assert spec.stats.lossless == "exact"
     return spec.stats
+
+
+def greedy_ids(runner, prompt, n: int) -> list[int]:
+    """The runner's own greedy decode, one token per call after the prefill."""
+    seq = runner.allocate(len(prompt) + n)
+    out = runner.greedy(seq, prompt, 0, 1)
+    while len(out) < n:
+        out += runner.greedy(seq, out[-1:], len(prompt) + len(out) - 1, 1)
+    runner.release(seq)
+    return out
