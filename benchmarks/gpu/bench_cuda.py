@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-budget", type=int, default=4096, help="MiB")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.shapes, args.prompts, args.new, args.context, args.reps, args.kv_budget = "smoke", 8, 3, 12, 1, 2
+        args.shapes, args.prompts, args.new, args.context, args.reps, args.kv_budget = "smoke", 4, 3, 12, 1, 2
         args.min_len, args.max_len = 4, 9
     dev = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
     import triton

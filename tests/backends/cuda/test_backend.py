@@ -2,7 +2,6 @@
 devices`, loaded from a YAML config, and every bad input refused with what to do."""
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
@@ -11,7 +10,6 @@ from hetero_sd.backends import base
 from hetero_sd.backends.cuda import backend as cuda_backend
 from hetero_sd.backends.cuda import runner as cuda_runner
 from hetero_sd.backends.registry import discover
-from hetero_sd.cli import main
 from hetero_sd.engine import Engine
 from hetero_sd.errors import BackendError
 from hetero_sd.ir import load_model_ir
@@ -20,15 +18,15 @@ from helpers.tiny_models import random_prompt
 from .conftest import DEVICE, cuda_device
 
 
-def test_registered_and_listed(capsys):
+def test_registered_and_listed():
+    """Found by the registry (as `hetero-sd devices` finds it), every precision exact."""
     registry = discover()
     assert "cuda" in registry.backends, registry.broken.get("cuda")
-    assert main(["devices", "--json"]) == 0
-    rows = [d for d in json.loads(capsys.readouterr().out)["devices"] if d["backend"] == "cuda"]
-    assert DEVICE in [r["device"] for r in rows]
-    for row in rows:  # every precision it offers is exact
-        assert {p["name"] for p in row["precisions"]} >= {"fp16", "fp32", "gguf"}
-        assert all(p["batch_invariant"] for p in row["precisions"])
+    rows = registry.get("cuda").probe()
+    assert DEVICE in [r.device for r in rows]
+    for row in rows:
+        assert {p.name for p in row.precisions} >= {"fp16", "fp32", "gguf"}
+        assert all(p.batch_invariant for p in row.precisions)
 
 
 def test_absent_device_names_those_here(tiny_model_dir):

@@ -59,10 +59,10 @@ def test_family_matches_transformers(tiny_model_dir, variant):
     _verify_rows_equal_decode(runner, 30, 3, variant)  # past Gemma's and Mistral's windows of 8
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16"])  # fp16's kernels: test_kernels.py
 def test_half_precisions(tiny_model_dir, precision):
-    """bf16 / fp16 within half a logit spread of transformers' fp32 (one rounding of
-    weights and activations), and as batch-invariant as fp32."""
+    """bf16 within half a logit spread of transformers' fp32 (one rounding of weights
+    and activations), and as batch-invariant as fp32."""
     folder = tiny_model_dir("qwen3")
     runner = cuda_runner(folder, precision)
     prompt = random_prompt(12, seed=4)
@@ -77,7 +77,7 @@ def test_batches_of_sequences(tiny_model_dir):
     sequences of mixed lengths (prefills among them); copy_prefix writes what a prefill
     writes; the pool reports its use."""
     runner = cuda_runner(tiny_model_dir("llama"), budget=8 << 20)
-    prompts = [random_prompt(2 + (i * 5) % 11, seed=100 + i) for i in range(16)]
+    prompts = [random_prompt(2 + (i * 3) % 7, seed=100 + i) for i in range(16)]
     conts = [random_prompt(1 + i % 3, seed=200 + i) for i in range(16)]
     alone = []
     for p, c in zip(prompts, conts):
@@ -127,7 +127,7 @@ def test_speculation_is_lossless(tiny_model_dir, variant):
     drafts = {seed: load_runner("torch", tiny_model_dir(variant, seed=seed)) for seed in (0, 1)}
     i = VARIANTS.index(variant)
     k_ngram = 1 + i % 8  # over the families, every k for each drafter
-    stats = [assert_lossless(Engine(target, NgramDrafter(1, 3), k=k_ngram), random_prompt(3 + i, seed=i) * 2, 5,
+    stats = [assert_lossless(Engine(target, NgramDrafter(1, 3), k=k_ngram), random_prompt(3 + i, seed=i) * 2, 4,
                              f"{variant} ngram k={k_ngram}")]
     # odd k: the target's own weights draft (accepted); even k: another seed's (rejected)
     for seed, k in ((0, 1 + 2 * (i % 4)), (1, 2 + 2 * ((i + 1) % 4))):
@@ -142,10 +142,10 @@ def test_seeded_sampling_reproduces(tiny_model_dir):
     target = cuda_runner(tiny_model_dir("qwen2"))
     engine = Engine(target, NgramDrafter(1, 3), k=4)
     prompt = random_prompt(6, seed=5) * 2
-    runs = [engine.generate_ids(prompt, 10, sampling=SamplingParams(temperature=1.0, seed=s)).token_ids
+    runs = [engine.generate_ids(prompt, 6, sampling=SamplingParams(temperature=1.0, seed=s)).token_ids
             for s in (11, 11, 12)]
     assert runs[0] == runs[1]
-    assert runs[0] != runs[2]  # the seed is used (10 tokens at temperature 1 over 384)
+    assert runs[0] != runs[2]  # the seed is used (6 tokens at temperature 1 over 384)
 
 
 def test_gguf_blocks_target(tiny_gguf, tiny_roundtrip_dir):
@@ -161,5 +161,4 @@ def test_gguf_blocks_target(tiny_gguf, tiny_roundtrip_dir):
     ref = hf_logits(tiny_roundtrip_dir("llama-wide", "Q4_K_M"), prompt).numpy()
     got = runner.forward(runner.allocate(16), prompt, 0, len(prompt))
     assert np.abs(got - ref).max() <= 0.5 * ref.std()
-    for k in (2, 5):
-        assert_lossless(Engine(runner, NgramDrafter(1, 3), k=k), random_prompt(5, seed=k) * 2, 8, f"gguf k={k}")
+    assert_lossless(Engine(runner, NgramDrafter(1, 3), k=3), random_prompt(5, seed=3) * 2, 5, "gguf k=3")
