@@ -22,12 +22,6 @@ classes and register under the `hetero_sd.backends` entry-point group.
                can_copy_prefix + copy_prefix(...)  copy one sequence's leading KV into an empty
                                                    one, bitwise what a prefill would write
                                                    (default: False)
-               serve_batches()                     said once, before the first sequence, by a caller
-                                                   that will send forward_batch calls of several
-                                                   sequences (the batching server): a runner whose
-                                                   one-sequence path rounds apart from its batched
-                                                   one takes the batched for every call from then
-                                                   on (onnxruntime, ort_backend.py); default: nothing
                draft_only()                        said once, before the first sequence, by a drafter:
                                                    its outputs are proposals the target verifies, so
                                                    one row need not round as inside a multi-row call,
@@ -167,9 +161,6 @@ class Runner(ABC):
         from hetero_sd.ir.errors import BackendError
 
         raise BackendError(f"{self.device.backend}:{self.device.device} cannot copy KV between sequences")
-
-    def serve_batches(self) -> None:
-        """Optional: several sequences per call will follow (module docstring); before any sequence."""
 
     def draft_only(self) -> None:
         """Optional: this runner drafts (module docstring); before any sequence."""

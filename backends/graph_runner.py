@@ -169,19 +169,19 @@ class GraphRunner(PooledRunner):
         block = self.WINDOW_BLOCK
         return reserved if reserved % block else min(reserved, _round_up(end, block))
 
-    max_batch = 1  # sequences per forward_batch call: a runtime with the batched graph raises it
+    max_batch = 1  # sequences per forward_batch call: a runtime with a batched graph raises it
 
     def _infer_batch(self, feeds: dict) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
-        """Several sequences in one call of the batched graph (onnx_batch.py): every
-        row rounds as it would in its sequence's own forward."""
+        """Several sequences in one call of a batched graph (onnx_batch.py, onnx_native.py):
+        every row rounds as it would in its sequence's own forward."""
         rows = [(list(it.tokens), list(range(it.start, it.start + len(it.tokens))), it.num_logits)
                 for it in items]
         if padded(self._padding, sum(len(r[0]) for r in rows)):
-            # the call's width would take the kernel's other path: the last row again,
-            # at the same position (both write the same K/V), its logits dropped
+            # the call's width would take the kernel's other path: the last row again
+            # (its K/V as the row's own, or in the slot past it), its logits dropped
             tokens, positions, computed = rows[-1]
             rows[-1] = (tokens + tokens[-1:], positions + positions[-1:], computed + 1)
         for it in items:
@@ -189,19 +189,25 @@ class GraphRunner(PooledRunner):
         with ExitStack() as stack:
             for it in items:
                 stack.enter_context(self._alloc.writing(it.seq_id, it.start, len(it.tokens)))
-            feeds, offsets = self._batch_feeds(items, rows)
-            outs = self._infer_batch(feeds)
-            logits, new_kv = outs[0], outs[1]
-            for it, off in zip(items, offsets):
-                n = len(it.tokens)
-                self._slabs[it.seq_id][:, :, :, it.start:it.start + n] = new_kv[:, :, :, off:off + n]
-                if self.feature_layers:
-                    self._features[it.seq_id] = np.array(outs[2][off:off + n])
+            logits, features, offsets = self._call_batch(items, rows)
         out, row = [], 0
-        for it, (_, _, computed) in zip(items, rows):
+        for it, (_, _, computed), off in zip(items, rows, offsets):
             out.append(np.array(logits[row:row + it.num_logits]))  # a copy: runtimes reuse output buffers
             row += computed
+            if features is not None:
+                self._features[it.seq_id] = np.array(features[off:off + len(it.tokens)])
         return out
+
+    def _call_batch(self, items: Sequence[BatchItem], rows: list[tuple]) -> tuple:
+        """Run the pool-gathering graph: (logits of the rows asked, features or None,
+        each item's first packed row); the new K/V written into the slabs."""
+        feeds, offsets = self._batch_feeds(items, rows)
+        outs = self._infer_batch(feeds)
+        new_kv = outs[1]
+        for it, off in zip(items, offsets):
+            n = len(it.tokens)
+            self._slabs[it.seq_id][:, :, :, it.start:it.start + n] = new_kv[:, :, :, off:off + n]
+        return outs[0], (outs[2] if self.feature_layers else None), offsets
 
     def _batch_feeds(self, items: Sequence[BatchItem], rows: list[tuple]) -> tuple[dict, list[int]]:
         """The batched graph's inputs; rows: (tokens, positions, logits computed) per item."""

@@ -3,4 +3,4 @@ onnx_blocks.py and onnx_batch.py): part of every cached graph's key, so bump
 it whenever that graph changes. A module of its own, so that loading a
 cached graph imports neither onnx nor torch."""
 
-GRAPH_VERSION = 27
+GRAPH_VERSION = 28

@@ -35,7 +35,6 @@ from onnx import TensorProto, helper
 import torch
 
 from hetero_sd.backends.onnx_batch import PoolAttention
-from hetero_sd.backends.onnx_gqa import InPlaceAttention
 from hetero_sd.backends.onnx_native import NativeAttention
 from hetero_sd.backends.onnx_blocks import gated_mlp, last_rows, moe, rms_norm, rope, softcap, split
 from hetero_sd.backends.onnx_weights import Builder, Linears, wide_blocks
@@ -55,10 +54,9 @@ def _attention(b: Builder, q: str, k: str, v: str, mask: str, minus_inf: str, ca
     return b.op("MatMul", probs, v)
 
 
-# how rows find their keys: one sequence's slab, several gathered from the pool
-# (onnx_batch.py), onnxruntime's attention op on one slab in place (onnx_gqa.py),
-# or our own op on one slab in place (onnx_native.py)
-ATTENTION = ("slab", "pool", "inplace", "native")
+# how rows find their keys: one sequence's slab (OpenVINO), several sequences gathered
+# from the pool (onnx_batch.py), or several read where they lie by our own op (onnx_native.py)
+ATTENTION = ("slab", "pool", "native")
 
 
 def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None,
@@ -95,12 +93,10 @@ def _rope_tables(b: Builder, cfg, q_pos: str, local: bool) -> tuple[str, str]:
 def _build(model: ModelIR, b: Builder, linear: Linears, progress, attention: str) -> onnx.ModelProto:
     cfg = model.config
     weights = _FloatWeights(model)  # norms and biases: small, read as floats
-    # How rows find their keys: one sequence's slab (below), several
-    # sequences gathered from the whole pool (onnx_batch.py), or onnxruntime's
-    # attention op on one slab in place (onnx_gqa.py). Everything else is the
-    # same graph, so a row rounds alike in the first two.
-    kv = {"slab": SlabAttention, "pool": PoolAttention, "inplace": InPlaceAttention,
-          "native": NativeAttention}[attention](b, cfg)
+    # How rows find their keys: one sequence's slab (below), several sequences
+    # gathered from the whole pool (onnx_batch.py), or several read in place by our
+    # op (onnx_native.py). Everything else is the same graph.
+    kv = {"slab": SlabAttention, "pool": PoolAttention, "native": NativeAttention}[attention](b, cfg)
     ropes = {} if kv.takes_qkv else {
         local: _rope_tables(b, cfg, kv.q_pos, local) for local in {cfg.local_rope(i) for i in range(cfg.num_layers)}}
     new_kv = {"k": [], "v": []}  # per layer: [1, Hkv, T, D], stacked into the one new_kv output

@@ -21,7 +21,7 @@ from hetero_sd.backends.native import MATMUL_ENV, gguf_pairs, kernel_available, 
 from hetero_sd.backends.kernel_timing import CHOICE_VERSION, Choice, Timing, cached_choice, choose, time_runner, \
     write_choice
 from hetero_sd.backends.row_check import ENV as ROW_ENV, NO_EXACT, host_signature, padded
-from hetero_sd.backends.ort_inplace import InPlaceGraph
+from hetero_sd.backends.ort_varlen import VarlenGraph
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
 
@@ -62,7 +62,7 @@ class OrtBackend:
         matmul = f"quantized matmul: our BlockMatMul (a GGUF's blocks: GGUFMatMul){where}" if native else \
             f"quantized matmul: MatMulNBits; BlockMatMul {why}"
         native, why = kernel_available("attention")
-        attention = "attention: our SlabAttention" if native else f"attention: GroupQueryAttention; SlabAttention {why}"
+        attention = "attention: our SlabAttention" if native else f"attention: gathered from the pool; SlabAttention {why}"
         devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider; {matmul}; {attention}",
                               _cpu_precisions(), "fp32")]
         for provider in ort.get_available_providers():
@@ -76,18 +76,6 @@ class OrtBackend:
              progress=None) -> "OrtRunner":
         info, prec = resolve(self.probe(), self.name, device, precision)
         return OrtRunner(model, info, prec, kv_budget_bytes, progress)
-
-
-INPLACE_SINCE = (1, 32)  # the attention op's semantics the in-place graph relies on, as tested
-
-
-def _inplace_tested() -> bool:
-    """Whether this onnxruntime is one the in-place graph was tested on: the attention
-    op's cache modes and window semantics changed across releases, so an older one
-    runs the batched graph for every call (exact there too)."""
-    import onnxruntime as ort
-
-    return tuple(int(p) for p in ort.__version__.split(".")[:2]) >= INPLACE_SINCE
 
 
 def session_options(threads: int, libraries=()):
@@ -112,10 +100,10 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
                 native_matmul: bool = False, build: bool = True):
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
-    attention: "slab" (one sequence), "pool" (several per call, onnx_batch.py)
-    "inplace" (onnxruntime's attention op on the slab, onnx_gqa.py) or "native" (our
-    SlabAttention on the slab, onnx_native.py); native_matmul: quantized linear
-    layers by our BlockMatMul (backends/native); build=False: only its path, built or not."""
+    attention: "slab" (one sequence, OpenVINO), "pool" (several per call, gathered from the
+    pool, onnx_batch.py) or "native" (several per call, our SlabAttention on the pool in
+    place, onnx_native.py); native_matmul: quantized linear layers by our BlockMatMul
+    (backends/native); build=False: only its path, built or not."""
     from importlib.metadata import version
 
     import onnxruntime as ort
@@ -137,8 +125,7 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
 
     def lower(path):
         if progress is not None:
-            kind = {"pool": " (batched graph)", "inplace": " (in-place attention)",
-                    "native": " (in-place SlabAttention)"}.get(attention, "")
+            kind = {"pool": " (attention gathered from the pool)", "native": " (SlabAttention)"}.get(attention, "")
             progress(0, 0, f"lowering to ONNX{kind}, {precision} weights (once; cached)")
         build_llama_onnx(model, precision, path, progress, attention=attention, native_matmul=native_matmul)
 
@@ -154,47 +141,45 @@ def build_llama_onnx(*args, **kwargs):
 
 
 class OrtRunner(GraphRunner):
-    """Two graphs, one session at a time. On the CPU a sequence runs alone in the
-    in-place graph (onnx_gqa.py: the attention op reads and writes its slab
-    where it lies; ~20% faster a step on SmolLM2 than gathering windows), until
-    a caller says it will batch (serve_batches): then every call, one sequence
-    or several, runs the batched graph (onnx_batch.py), where a row rounds
-    alike alone or in any batch because it is the same graph. Both are exact
-    (a row rounds alike in a one-token call and inside any verify); they round
-    apart from each other (the attention op sums in another order), so a
-    runner never mixes them. Other providers run the batched graph only."""
+    """One graph serves every call, one sequence or a server's batch of many: on the
+    CPU our SlabAttention reads every sequence's keys from the pool in place
+    (onnx_native.py) where it covers the model and builds here, else the graph that
+    gathers them (onnx_batch.py); other providers run the latter. Either way a row
+    rounds alike in a one-token call, in any verify and in any batch, so the server
+    answers what the command line does, bit for bit (tests/serve/test_paths.py)."""
 
     can_copy_prefix = True  # every row is row-invariant: copied KV is what a prefill writes
+    max_batch = 32  # sequences per call: the server's running set (split above this)
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
                  progress=None):
         super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
-        self._inplace: InPlaceGraph | None = None
+        self._varlen: VarlenGraph | None = None
         self._session = None
         self._progress = progress
-        self._native_matmul = False  # BlockMatMul in the one-sequence graph (_one_sequence_graph)
+        self._native_matmul = False  # BlockMatMul for the quantized layers (_graph_kind)
         self._open_native: bool | None = None  # the open graph's matmuls: ours, MatMulNBits', none open
-        self._load(self._one_sequence_graph() if info.device == "cpu" and _inplace_tested() else "pool")
+        self._load(self._graph_kind() if info.device == "cpu" else "pool")
 
-    def _one_sequence_graph(self) -> str:
+    def _graph_kind(self) -> str:
         """Our SlabAttention where it covers the model and compiles here (onnx_native.py),
-        else onnxruntime's GroupQueryAttention; quantized linear layers by our BlockMatMul
+        else attention gathered from the pool; quantized linear layers by our BlockMatMul
         where it is on and compiles here (backends/native), else MatMulNBits.
         kernel_choice says which and why."""
         fits, why = native_fits(self._model.config)
         if fits:
             fits, why = kernel_available("attention")
         self._kernel_note = "attention by our SlabAttention, compiled for this host" if fits else \
-            f"attention by GroupQueryAttention (SlabAttention: {why})"
+            f"attention gathered from the pool (SlabAttention: {why})"
         if self.precision.name in _QUANTIZED:
             self._native_matmul, why = kernel_available("matmul")
             ours = " and GGUFMatMul" if self.precision.name == "gguf" else ""
             self._kernel_note += f", quantized matmuls by our BlockMatMul{ours}" if self._native_matmul else \
                 f", quantized matmuls by MatMulNBits (BlockMatMul: {why})"
-        return "native" if fits else "inplace"
+        return "native" if fits else "pool"
 
     def _load(self, attention: str) -> None:
-        """Open `attention`'s graph. In the one-sequence graph the quantized matmuls run by
+        """Open `attention`'s graph. Its quantized matmuls run by
         whichever exact path is the faster on this host, timed once and cached
         (kernel_timing.py): our BlockMatMul (GGUFMatMul for precision gguf's blocks),
         never padded, or MatMulNBits, padded as its row check says. MatMulNBits is timed
@@ -205,8 +190,7 @@ class OrtRunner(GraphRunner):
         against 0.87x); precision gguf by ours (the 1.5B's Q4_K_M 0.89-0.95x against
         MatMulNBits' 0.56x, whose Q4_K minimums need a side matmul).
         HETERO_SD_NATIVE_MATMUL=always runs ours without timing (tests, experiments)."""
-        one_sequence = attention in ("inplace", "native")
-        if not (one_sequence and self._native_matmul):
+        if not self._native_matmul:
             self._open_graph(attention, native_matmul=False)
             return
         if matmul_policy() == "always":
@@ -268,7 +252,7 @@ class OrtRunner(GraphRunner):
                          runtimes=runtimes, forced=os.environ.get(ROW_ENV, ""))
 
     def _close_session(self) -> None:
-        self._session = self._inplace = self._open_native = None
+        self._session = self._varlen = self._open_native = None
         gc.collect()  # its weights go before the next graph's load
 
     def _their_padding(self, attention: str) -> str:
@@ -308,10 +292,8 @@ class OrtRunner(GraphRunner):
         self._open_native = native_matmul
         self._outputs = [o.name for o in self._session.get_outputs()]
         features = len(self.feature_layers) * self._model.config.hidden_size
-        self._inplace = InPlaceGraph(self._session, self._layers, self.vocab_size, features) \
-            if attention in ("inplace", "native") else None
-        # sequences per call: the batched graph takes a server's running set (split above this)
-        self.max_batch = 1 if self._inplace else 32
+        self._varlen = VarlenGraph(self._session, self._pool, self.vocab_size, features) \
+            if attention == "native" else None
         self.kernel_choice = ""
         self._padding = "pairs" if self._checks_rows else "none"  # each graph is checked on its own
         self.settle_padding(path, runtime)
@@ -319,32 +301,12 @@ class OrtRunner(GraphRunner):
             self._note_graph()
 
     def _note_graph(self) -> None:
-        graph = f"in-place {self._kernel_note}, one sequence a call" if self._inplace else "batched graph"
+        graph = f"{self._kernel_note}, any sequences a call"
         self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
 
-    def serve_batches(self) -> None:
-        """Switch to the batched graph for good (before any sequence: the two round apart)."""
-        if self._inplace is None:
-            return
-        if self._slabs:
-            raise BackendError(f"{self.device.backend}:{self.device.device}: serve_batches() with "
-                               f"{len(self._slabs)} live sequences (call it before the first)")
-        self._session = self._inplace = None
-        self._load("pool")
-
     def allocate(self, capacity: int) -> int:
-        # a padded call (row_check.py) and GroupQueryAttention's graph (onnx_gqa.py) write one
-        # row past the sequence
-        spare = self._inplace is not None and (self._inplace.pads_rows or self._padding != "none")
-        seq = super().allocate(capacity + spare)
-        if self._inplace is not None:
-            self._inplace.bind(seq, self._slabs[seq])
-        return seq
-
-    def release(self, seq_id: int) -> None:
-        super().release(seq_id)
-        if self._inplace is not None:
-            self._inplace.release(seq_id)
+        # a padded call (row_check.py) writes its extra row's K/V one slot past the sequence
+        return super().allocate(capacity + (self._varlen is not None and self._padding != "none"))
 
     def _open(self, path):
         import onnxruntime as ort
@@ -355,31 +317,14 @@ class OrtRunner(GraphRunner):
         return ort.InferenceSession(str(path), opts, providers=[provider])
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
-        if self._inplace is None:
-            return self.forward_batch([BatchItem(seq_id, tokens, start, num_logits)])[0]
-        n = len(tokens)
-        self._features.pop(seq_id, None)
-        # (one row longer where the row check says the matmuls need it, row_check.py)
-        pad = padded(self._padding, n)
-        with self._alloc.writing(seq_id, start, n) as ext:
-            logits, features = self._inplace.run(seq_id, list(tokens) + list(tokens[-1:]) if pad else tokens,
-                                                 start, num_logits + pad, ext.reserved)
-        if features is not None:
-            self._features[seq_id] = features[:n]
-        return logits[:num_logits]
+        return self.forward_batch([BatchItem(seq_id, tokens, start, num_logits)])[0]
 
-    def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
-        if self._inplace is None:
-            return super().forward_batch(items)
-        out = []  # one sequence a call (max_batch 1); a failed call leaves every length where it was
-        try:
-            for it in items:
-                out.append(self.forward(it.seq_id, it.tokens, it.start, it.num_logits))
-        except BaseException:
-            for it in items[:len(out)]:
-                self.truncate(it.seq_id, it.start)
-            raise
-        return out
+    def _call_batch(self, items: Sequence[BatchItem], rows: list[tuple]) -> tuple:
+        if self._varlen is None:
+            return super()._call_batch(items, rows)
+        exts = [self._alloc.extent(it.seq_id) for it in items]
+        return self._varlen.run(list(items), [len(r[0]) for r in rows], [r[2] for r in rows],
+                                [(e.reserved, e.offset * self._per_pos) for e in exts])
 
     def _infer_batch(self, feeds: dict) -> list:
         return self._session.run(self._outputs, feeds)

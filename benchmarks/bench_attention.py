@@ -1,4 +1,5 @@
-"""SlabAttention against GroupQueryAttention: one model loaded twice in one process
+"""SlabAttention against the graph that gathers attention from the pool (what a host
+runs where ours cannot build or cover the model): one model loaded twice in one process
 (HETERO_SD_NATIVE=matmul,attention and matmul: our BlockMatMul either way), calls of
 1..9 rows at several context lengths and a 512-token prefill, interleaved round by
 round.
@@ -7,7 +8,7 @@ round.
 
 Each cell: the median over rounds of the median of 8 calls (each call at the same
 position after a prefill of that context, then truncated back), and the ratio
-SlabAttention / GroupQueryAttention. Both runners say how they run one-token calls
+SlabAttention / gathered. Both runners say how they run one-token calls
 (kernel_choice). Not a test: speed is measured, never asserted.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ CONTEXTS, WIDTHS, CALLS = (64, 300, 1000), (1, 2, 3, 5, 9), 8
 
 def load(model: str, precision: str) -> dict:
     runners = {}
-    for name, flag in (("GroupQueryAttention", "matmul"), ("SlabAttention", "matmul,attention")):
+    for name, flag in (("gathered", "matmul"), ("SlabAttention", "matmul,attention")):
         with environment({ENV: flag}):
             runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target"))
         print(f"{name}: {runners[name].kernel_choice}", flush=True)
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                     cells.setdefault((ctx, width, name), []).append(calls_ms(runner, tokens, ctx, width))
         for name, runner in runners.items():
             cells.setdefault(("prefill", 512, name), []).append(prefill_ms(runner, tokens[:512]))
-    print("| cached tokens | rows | GroupQueryAttention ms | SlabAttention ms | ratio |\n|---|---|---|---|---|")
+    print("| cached tokens | rows | gathered ms | SlabAttention ms | ratio |\n|---|---|---|---|---|")
     for ctx, width in dict.fromkeys(k[:2] for k in cells):
         g, s = (statistics.median(cells[ctx, width, n]) for n in runners)
         print(f"| {ctx} | {width} | {g:.1f} | {s:.1f} | {s / g:.2f} |")

@@ -80,6 +80,7 @@ class Result:
     finish: str | None = None
     error: str | None = None
     index: int = -1  # the request's number in its level (prompt index % prompts)
+    text: str = ""  # the streamed answer: each output is checked against the same prompt alone (C = 1)
 
     @property
     def tpot_s(self) -> float | None:
@@ -100,7 +101,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, include_
     """One streaming chat request, timed from before the call to the stream's end."""
     t0 = time.perf_counter()
     first = usage = finish = None
-    chunks = 0
+    chunks, parts = 0, []
     extra = {"stream_options": {"include_usage": True}} if include_usage else {}
     try:
         stream = await client.chat.completions.create(
@@ -113,14 +114,16 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, include_
                 if choice.delta is not None and choice.delta.content:
                     first = first or time.perf_counter()
                     chunks += 1
+                    parts.append(choice.delta.content)
                 finish = choice.finish_reason or finish
     except Exception as exc:  # noqa: BLE001 -- a failed request is counted, never fatal to the level
         return Result(False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
     end = time.perf_counter()
     tokens, source = _tokens(usage, finish, chunks, max_tokens)
     if finish is None:  # llama_cpp.server's interrupted streams end like this
-        return Result(False, end - t0, None, tokens, source, None, "stream ended without finish_reason")
-    return Result(True, end - t0, (first - t0) if first else None, tokens, source, finish)
+        return Result(False, end - t0, None, tokens, source, None, "stream ended without finish_reason",
+                      text="".join(parts))
+    return Result(True, end - t0, (first - t0) if first else None, tokens, source, finish, text="".join(parts))
 
 
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, n_requests: int,
@@ -207,6 +210,19 @@ def ratios(results: dict[str, dict[int, dict]]) -> dict[int, dict[str, float]]:
     return dict(sorted(out.items()))
 
 
+def same_as_alone(by_level: dict[int, dict], n_prompts: int) -> dict[int, str]:
+    """Per level, how many answers equal the same prompt's answer at C = 1 (its requests
+    run alone), "equal/compared"; levels without a C = 1 run are not compared."""
+    alone = {r["index"] % n_prompts: r["text"] for r in by_level.get(1, {}).get("per_request", []) if r["ok"]}
+    out = {}
+    for level, summary in by_level.items():
+        pairs = [(r["text"], alone[r["index"] % n_prompts]) for r in summary.get("per_request", [])
+                 if r["ok"] and r["index"] % n_prompts in alone]
+        if alone:
+            out[level] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    return out
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
@@ -231,12 +247,13 @@ def table_rows(results: dict[str, dict[int, dict]]) -> list[list[str]]:
                          _ms(s["tpot_s"]["p50"]), _ms(s["tpot_s"]["p99"]),
                          _ms(s["e2e_s"]["p50"]), _ms(s["e2e_s"]["p99"]),
                          "-" if tps is None else f"{tps:.1f}",
-                         f"{tps / ref:.2f}x" if tps and ref else "-", _accepted(s.get("metrics"))])
+                         f"{tps / ref:.2f}x" if tps and ref else "-", _accepted(s.get("metrics")),
+                         s.get("same_as_alone", "-")])
     return rows
 
 
 HEADER = ["C", "server", "done/failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-          "E2E p50 ms", "E2E p99 ms", "out tok/s", "vs lowest C", "accepted"]
+          "E2E p50 ms", "E2E p99 ms", "out tok/s", "vs lowest C", "accepted", "= alone"]
 
 
 def render(results: dict[str, dict[int, dict]]) -> str:
@@ -356,6 +373,9 @@ def run(opts, argv: list[str]) -> dict:
                       f"failed, {'-' if tps is None else f'{tps:.1f}'} tok/s"
                       f"{'  ' + s['error'][:200] if 'error' in s else ''}", file=sys.stderr, flush=True)
     results = {name: {level: pooled(runs) for level, runs in by.items()} for name, by in rounds.items()}
+    for by_level in results.values():
+        for level, counted in same_as_alone(by_level, len(prompts)).items():
+            by_level[level]["same_as_alone"] = counted
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return {"meta": meta, "results": results, "ratios": ratios(results)}
 

@@ -63,10 +63,11 @@ def load_target(model: Path, placement: str, env: dict[str, str]):
     from hetero_sd.drafting.specs import ModelSpec
 
     backend, device, precision, *graph = placement.split(":")
+    if graph == ["pool"]:  # the graph a host without our SlabAttention runs (attention gathered from the pool)
+        from hetero_sd.backends.native import ENV as NATIVE_ENV
+        env = {**env, NATIVE_ENV: "matmul"}
     with environment(env):
         runner = Loader()(ModelSpec(str(model), backend, device, precision, 512 << 20, "target"))
-    if graph == ["batched"]:  # the server's graph (Runner.serve_batches)
-        runner.serve_batches()
     ir = load_model_ir(model)
     tok = ir.load_tokenizer()
     # no eos_ids: every run makes exactly the tokens asked for, as llama-bench does
@@ -187,8 +188,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llamacpp-bin", type=Path, required=True, help="folder with llama-bench (docs/benchmarks.md)")
     p.add_argument("--model", default="default", help="a .gguf, a catalog name, or default (SmolLM2)")
-    p.add_argument("--target", action="append", help="backend:device:precision[:batched] (repeatable; "
-                   "default onnxruntime:cpu:int4; :batched runs the server's graph, Runner.serve_batches)")
+    p.add_argument("--target", action="append", help="backend:device:precision[:pool] (repeatable; "
+                   "default onnxruntime:cpu:int4; :pool runs the graph that gathers attention from the pool, "
+                   "what a host runs where our SlabAttention cannot)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill", type=int, default=512)

@@ -9,17 +9,17 @@
   file's own super-blocks, 8 columns interleaved (backends/gguf_pack.py), the
   sub-block scales and minimums applied in integers as llama.cpp's vec_dot does;
   every row computed alike whatever the call's width.
-- `slab_attention.c` (SlabAttention): attention over a sequence's KV slab one
-  query row at a time, so a row rounds alike alone or inside any verify by
-  construction, and a one-token call needs no second attention row (onnx_gqa.py
-  explains why GroupQueryAttention does).
+- `slab_attention.c` (SlabAttention): attention over the KV pool one query row at a
+  time, for every sequence of a call (varlen), so a row rounds alike alone, inside
+  any verify and inside any batch of sequences by construction: one graph serves
+  the command line and the server alike (onnx_native.py).
 
 They are compiled at first use with the machine's C compiler for the host's own
 instruction set (-march=native: AVX2, AVX-512 with VNNI, whatever the CPU has),
 then cached under the sources' hash, the compiler's version and the CPU's flags,
 so a new host or a new source compiles again (a few seconds).
 
-HETERO_SD_NATIVE picks which the CPU's one-sequence graph uses (KERNELS): by
+HETERO_SD_NATIVE picks which the CPU's graph uses (KERNELS): by
 default both. Measured side by side on a 2-core AMD EPYC (AVX-512), a one-token
 step with SlabAttention took 0.68-0.97x the time with GroupQueryAttention in all
 but one of nine cells (the most at long contexts) and verifies of 2-9 rows about
@@ -89,7 +89,7 @@ def _build(extra_flags: str) -> Path:
     sources = [str(HERE / name) for name in SOURCES if name.endswith(".c")]
 
     def compile_to(target: Path) -> None:
-        run = subprocess.run([*cc, *flags, *sources, "-o", str(target)], capture_output=True, text=True)
+        run = subprocess.run([*cc, *flags, *sources, "-lm", "-o", str(target)], capture_output=True, text=True)
         if run.returncode != 0:
             raise NativeUnavailable(f"{' '.join(cc)} failed on the native kernels: {run.stderr.strip()[-400:]}")
 
@@ -97,13 +97,8 @@ def _build(extra_flags: str) -> Path:
 
 
 def native_fits(cfg) -> tuple[bool, str]:
-    """(whether SlabAttention computes this model's attention, why not)."""
-    if cfg.qk_norm:
-        return False, "per-head q/k norms"
-    if any(w is not None for w in cfg.windows):
-        return False, "sliding-window layers"
-    if cfg.attn_softcap is not None:
-        return False, "attention soft-capping"
+    """(whether SlabAttention computes this model's attention, why not). Per-head q/k
+    norms run in the graph before it; windows and score soft-caps inside it."""
     if cfg.head_dim % 16 or cfg.head_dim > 512:
         return False, f"head dimension {cfg.head_dim} (needs a multiple of 16, at most 512)"
     if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 64:

@@ -1,28 +1,34 @@
-/* Attention over a sequence's KV slab, one query row at a time, as an onnxruntime
- * custom op (domain "hetero_sd.native", op "SlabAttention").
+/* Attention over the KV pool, one query row at a time, as an onnxruntime custom op
+ * (domain "hetero_sd.native", op "SlabAttention"), for every sequence of a call.
  *
  * Why: onnxruntime's GroupQueryAttention rounds a one-row call apart from a row of a
- * longer call (its one-row GEMM path), so the graph ran attention on two rows at
- * least, and on a CPU it costs ~0.45 us per cached position per layer on the 1.5B
- * (3x its memory bound), so decode slowed with the context faster than llama.cpp's.
- * Here every (row, head) runs the same loop over its own positions in a fixed order
- * whatever the call's width: a row rounds alike alone or in any verify, by
- * construction, and reads the slab once per head.
+ * longer call (its one-row GEMM path), and on a CPU it costs ~0.45 us per cached
+ * position per layer on the 1.5B (3x its memory bound). Here every (row, head) runs
+ * the same loop over its own sequence's positions in a fixed order whatever the call
+ * holds: a row rounds alike alone, inside any verify and inside any batch of
+ * sequences (varlen, as flash-attention's varlen API packs them), by construction,
+ * and reads its sequence's slab once per KV head.
  *
- * Inputs:  qkv [T, (H + 2 Hkv) D] float, past_k / past_v [1, Hkv, R, D] float,
- *          total_len int32 [] (past + T), cos / sin [P, rd / 2] float (RoPE tables,
- *          rotate-half layout; ignored when rotary = 0).
- * Outputs: out [T, H D], present_k / present_v [1, Hkv, R, D]: bound to the same
- *          memory as the past inputs (the runner's I/O binding), only the T new rows
- *          are written; otherwise the past rows are copied first.
- * Attributes: num_heads, kv_num_heads, rotary (0/1), scale (float).
+ * Inputs:  qkv [T, (H + 2 Hkv) D] float: every sequence's rows, packed in order;
+ *          pool float [N]: the runner's whole KV pool, WRITTEN IN PLACE (the new rows'
+ *          K and V; the runner binds its own memory, so nothing is copied);
+ *          seqs int64 [B, 5]: per sequence (first row in qkv, rows, past length,
+ *          reserved positions R, offset in the pool of its slab [2, layers, Hkv, R, D]);
+ *          cos / sin [P, rd / 2] float (RoPE tables, rotate-half; ignored when rotary = 0).
+ * Output:  out [T, H D].
+ * Attributes: num_heads, kv_num_heads, head_dim, layer, num_layers, rotary (0/1),
+ *          scale, window (0: none; else a row sees its last `window` positions),
+ *          softcap (0: none; else scores become softcap * tanh(score / softcap)).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
 #include "ort_api.h"
 #include "vec_math.h"
+
+enum { T_INT64 = 7, SEQ_FIELDS = 5 };
 
 /* ---- the numerics: one (row, head) at a time ---------------------------------- */
 
@@ -76,12 +82,16 @@ static void rope(const float* x, float* y, int D, const float* cos, const float*
 
 typedef struct {
   int H, Hkv, D, half;
-  float scale;
-  const float *qkv, *cos, *sin;
-  float *k, *v, *out;  /* slabs [Hkv, R, D], out [T, H D] */
+  float scale, cap;  /* cap: the soft-cap, 0 for none */
+  int64_t window;  /* 0: every past position; else the last `window` */
+  const float *qkv, *cos, *sin;  /* qkv: the sequence's first row */
+  float *k, *v, *out;  /* the layer's slabs [Hkv, R, D]; out: the sequence's first row [T, H D] */
   int64_t R, past, T;
   int* failed;  /* set (atomically) by a task that could not get its scratch memory */
 } Job;
+
+/* a call's sequences: task t belongs to job b where first[b] <= t < first[b + 1] */
+typedef struct { const Job* jobs; const size_t* first; int64_t B; } Jobs;
 
 /* acc[b] += sum_i w[b][i] V[i] over the block's positions i0 <= i < min(i1, n[b]), in
  * position order, for pn pairs (acc [pn, D]). A block of V (IB rows, 16 KB at D = 128)
@@ -129,8 +139,7 @@ static float* scratch(size_t floats) {
 /* IB: positions a block (scores and weighted sum alike) */
 enum { ROWS = 4, MAXPAIRS = 64 * ROWS, IB = 32 };
 
-static void attend(void* arg, size_t task) {
-  const Job* j = (const Job*)arg;
+static void attend_one(const Job* j, size_t task) {
   /* a KV head's row blocks are consecutive tasks: onnxruntime hands each thread a run
    * of tasks, so with two KV heads on two threads each takes one head's rows */
   const int64_t blocks = (j->T + ROWS - 1) / ROWS;
@@ -178,13 +187,19 @@ static void attend(void* arg, size_t task) {
   for (int p = 0; p < P; p++) {
     float* sp = s + (size_t)p * stride;
     const int64_t np = n[p], n8 = (np + 7) & ~(int64_t)7;
+    /* a window's earlier positions weigh exact zeros (their fma adds nothing) */
+    const int64_t first = j->window && np > j->window ? np - j->window : 0;
+    if (j->cap != 0.0f)
+      for (int64_t i = first; i < np; i++) sp[i] = j->cap * tanhf(sp[i] / j->cap);
     float m = -3.0e38f;
-    for (int64_t i = 0; i < np; i++) m = sp[i] > m ? sp[i] : m;
+    for (int64_t i = first; i < np; i++) m = sp[i] > m ? sp[i] : m;
+    for (int64_t i = 0; i < first; i++) sp[i] = m;  /* masked below */
     for (int64_t i = np; i < n8; i++) sp[i] = m;  /* padding, masked below */
     __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < n8; i += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp + i), mv));
       if (i + 8 > np) e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(np - i)), lane)));
+      if (i < first) e = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(first - i)), lane)), e);
       _mm256_storeu_ps(sp + i, e);
       sum = _mm256_add_ps(sum, e);
     }
@@ -221,70 +236,104 @@ static void attend(void* arg, size_t task) {
   }
 }
 
+static void attend(void* arg, size_t task) {
+  const Jobs* js = (const Jobs*)arg;
+  int64_t b = 0;
+  while (b + 1 < js->B && js->first[b + 1] <= task) b++;
+  attend_one(&js->jobs[b], task - js->first[b]);
+}
+
 /* ---- the onnxruntime kernel ------------------------------------------------------ */
 
-typedef struct { const OrtApi* api; int64_t H, Hkv, rotary; float scale; } Kernel;
+typedef struct { const OrtApi* api; int64_t H, Hkv, D, layer, layers, rotary, window; float scale, cap; } Kernel;
+
+#define BAD(msg) api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: " msg)
+
+/* every sequence's extent checked against the call and the pool before a byte is
+ * written: rows partition [0, T) in order, past + rows <= R, slabs inside the pool and
+ * apart from each other (two tasks never write one slot) */
+static OrtStatus* check_seqs(const OrtApi* api, const Kernel* kn, const int64_t* sq, int64_t B, int64_t T,
+                             int64_t N, int64_t P, int64_t half) {
+  int64_t row = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t* e = sq + b * SEQ_FIELDS;
+    if (e[0] != row || e[1] < 1 || e[2] < 0 || e[3] < 1 || e[4] < 0) return BAD("seqs rows must pack [0, T) in order, each non-empty");
+    row += e[1];
+    if (e[2] + e[1] > e[3]) return BAD("a sequence's past + rows exceeds its reserved positions");
+    const int64_t size = 2 * kn->layers * kn->Hkv * e[3] * kn->D;
+    if (e[4] > N || size > N - e[4]) return BAD("a sequence's slab lies outside the pool");
+    if (kn->rotary && (P < e[2] + e[1] || 2 * half > kn->D)) return BAD("RoPE tables [>= past + rows, <= D / 2]");
+    for (int64_t c = 0; c < b; c++) {
+      const int64_t* o = sq + c * SEQ_FIELDS;
+      if (e[4] < o[4] + 2 * kn->layers * kn->Hkv * o[3] * kn->D && o[4] < e[4] + size)
+        return BAD("two sequences' slabs overlap");
+    }
+  }
+  return row == T ? NULL : BAD("seqs rows must cover qkv's T rows");
+}
 
 static OrtStatus* compute(void* self, OrtKernelContext* ctx) {
   const Kernel* kn = (const Kernel*)self;
   const OrtApi* api = kn->api;
-  const OrtValue* in[6];
-  for (size_t i = 0; i < 6; i++) TRY(api->KernelContext_GetInput(ctx, i, &in[i]));
-  int64_t qd[4], kd[4], vd[4], cd[4], sd[4];
-  size_t nq, nk, nv, nc, ns;
+  const OrtValue* in[5];
+  for (size_t i = 0; i < 5; i++) TRY(api->KernelContext_GetInput(ctx, i, &in[i]));
+  int64_t qd[4], pd[4], sd[4], cd[4], nd[4];
+  size_t nq, np_, ns, nc, nn;
   TRY(dims(api, in[0], qd, &nq));
-  TRY(dims(api, in[1], kd, &nk));
-  TRY(dims(api, in[2], vd, &nv));
-  TRY(dims(api, in[4], cd, &nc));
-  TRY(dims(api, in[5], sd, &ns));
-  if (nv != nk || memcmp(vd, kd, sizeof(int64_t) * nk) || ns != nc || memcmp(sd, cd, sizeof(int64_t) * nc))
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: past_v's shape differs from past_k's, or sin's from cos's");
-  const int H = (int)kn->H, Hkv = (int)kn->Hkv;
-  if (nq != 2 || nk != 4 || kd[0] != 1 || kd[1] != Hkv || kd[3] % 16 || kd[3] > 512 || H % Hkv || H / Hkv > 64)
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: qkv [T, (H+2Hkv)D], slabs [1, Hkv, R, D], D % 16 == 0, D <= 512, H / Hkv <= 64");
-  const int D = (int)kd[3];
-  if (qd[1] != (int64_t)(H + 2 * Hkv) * D)
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: qkv width is not (H + 2 Hkv) D");
-  void *p_qkv, *p_pk, *p_pv, *p_tot, *p_cos, *p_sin;
+  TRY(dims(api, in[1], pd, &np_));
+  TRY(dims(api, in[2], sd, &ns));
+  TRY(dims(api, in[3], cd, &nc));
+  TRY(dims(api, in[4], nd, &nn));
+  const int H = (int)kn->H, Hkv = (int)kn->Hkv, D = (int)kn->D;
+  if (nq != 2 || qd[1] != (int64_t)(H + 2 * Hkv) * D) return BAD("qkv is [T, (H + 2 Hkv) D]");
+  if (ns != 2 || sd[1] != SEQ_FIELDS || sd[0] < 1) return BAD("seqs is [B >= 1, 5]");
+  if (nc != 2 || nn != 2 || cd[0] != nd[0] || cd[1] != nd[1]) return BAD("cos and sin are [P, rd / 2] alike");
+  int64_t N = 1;
+  for (size_t i = 0; i < np_; i++) N *= pd[i];
+  void *p_qkv, *p_pool, *p_seqs, *p_cos, *p_sin, *p_out;
   TRY(api->GetTensorMutableData((OrtValue*)in[0], &p_qkv));
-  TRY(api->GetTensorMutableData((OrtValue*)in[1], &p_pk));
-  TRY(api->GetTensorMutableData((OrtValue*)in[2], &p_pv));
-  TRY(api->GetTensorMutableData((OrtValue*)in[3], &p_tot));
-  TRY(api->GetTensorMutableData((OrtValue*)in[4], &p_cos));
-  TRY(api->GetTensorMutableData((OrtValue*)in[5], &p_sin));
-  const int64_t T = qd[0], R = kd[2], total = *(const int32_t*)p_tot, past = total - T;
-  const int half = (int)cd[1];
-  if (past < 0 || total > R)
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: total_len outside [T, R]");
-  if (kn->rotary && (nc != 2 || cd[0] < total || 2 * half > D))
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: RoPE tables [>= total_len, <= D / 2]");
+  TRY(api->GetTensorMutableData((OrtValue*)in[1], &p_pool));
+  TRY(api->GetTensorMutableData((OrtValue*)in[2], &p_seqs));
+  TRY(api->GetTensorMutableData((OrtValue*)in[3], &p_cos));
+  TRY(api->GetTensorMutableData((OrtValue*)in[4], &p_sin));
+  const int64_t T = qd[0], B = sd[0], half = cd[1], *sq = (const int64_t*)p_seqs;
+  TRY(check_seqs(api, kn, sq, B, T, N, cd[0], half));
   int64_t od[2] = {T, (int64_t)H * D};
-  OrtValue *o_out, *o_k, *o_v;
+  OrtValue* o_out;
   TRY(api->KernelContext_GetOutput(ctx, 0, od, 2, &o_out));
-  TRY(api->KernelContext_GetOutput(ctx, 1, kd, 4, &o_k));
-  TRY(api->KernelContext_GetOutput(ctx, 2, kd, 4, &o_v));
-  void *p_out, *p_k, *p_v;
   TRY(api->GetTensorMutableData(o_out, &p_out));
-  TRY(api->GetTensorMutableData(o_k, &p_k));
-  TRY(api->GetTensorMutableData(o_v, &p_v));
-  const size_t slab = (size_t)Hkv * R * D;
-  if (p_k != p_pk) memcpy(p_k, p_pk, sizeof(float) * slab);  /* not bound in place: carry the past */
-  if (p_v != p_pv) memcpy(p_v, p_pv, sizeof(float) * slab);
-  const float* qkv = (const float*)p_qkv;
   const float *cs = kn->rotary ? (const float*)p_cos : NULL, *sn = kn->rotary ? (const float*)p_sin : NULL;
-  float *K = (float*)p_k, *V = (float*)p_v;
-  for (int64_t t = 0; t < T; t++) {  /* the new rows first: row t attends to itself */
-    const int64_t pos = past + t;
-    const float* row = qkv + (size_t)t * (H + 2 * Hkv) * D;
-    for (int g = 0; g < Hkv; g++) {
-      rope(row + (size_t)(H + g) * D, K + ((size_t)g * R + pos) * D, D,
-           cs ? cs + pos * half : NULL, sn ? sn + pos * half : NULL, half);
-      memcpy(V + ((size_t)g * R + pos) * D, row + (size_t)(H + Hkv + g) * D, sizeof(float) * D);
-    }
-  }
+  const int width = (H + 2 * Hkv) * D;
+  Job* jobs = (Job*)malloc(sizeof(Job) * (size_t)B);
+  size_t* first = (size_t*)malloc(sizeof(size_t) * (size_t)(B + 1));
+  if (!jobs || !first) { free(jobs); free(first); return api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory"); }
   int failed = 0;
-  Job job = {H, Hkv, D, half, kn->scale, qkv, cs, sn, K, V, (float*)p_out, R, past, T, &failed};
-  TRY(api->KernelContext_ParallelFor(ctx, attend, (size_t)((T + ROWS - 1) / ROWS * Hkv), 0, &job));
+  first[0] = 0;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t* e = sq + b * SEQ_FIELDS;
+    const int64_t R = e[3], past = e[2], rows = e[1];
+    float* slab = (float*)p_pool + e[4];
+    float* K = slab + (size_t)kn->layer * Hkv * R * D;
+    float* V = slab + (size_t)(kn->layers + kn->layer) * Hkv * R * D;
+    const float* qkv = (const float*)p_qkv + (size_t)e[0] * width;
+    for (int64_t t = 0; t < rows; t++) {  /* the new rows first: row t attends to itself */
+      const int64_t pos = past + t;
+      const float* row = qkv + (size_t)t * width;
+      for (int g = 0; g < Hkv; g++) {
+        rope(row + (size_t)(H + g) * D, K + ((size_t)g * R + pos) * D, D,
+             cs ? cs + pos * half : NULL, sn ? sn + pos * half : NULL, (int)half);
+        memcpy(V + ((size_t)g * R + pos) * D, row + (size_t)(H + Hkv + g) * D, sizeof(float) * D);
+      }
+    }
+    jobs[b] = (Job){H, Hkv, D, (int)half, kn->scale, kn->cap, kn->window, qkv, cs, sn, K, V,
+                    (float*)p_out + (size_t)e[0] * H * D, R, past, rows, &failed};
+    first[b + 1] = first[b] + (size_t)((rows + ROWS - 1) / ROWS * Hkv);
+  }
+  Jobs all = {jobs, first, B};
+  OrtStatus* st = api->KernelContext_ParallelFor(ctx, attend, first[B], 0, &all);
+  free(jobs);
+  free(first);
+  if (st) return st;
   return __atomic_load_n(&failed, __ATOMIC_RELAXED) ? api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory for the scores") : NULL;
 }
 
@@ -293,21 +342,25 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApi* api, const OrtKern
   Kernel* k = (Kernel*)calloc(1, sizeof(Kernel));
   if (!k) return api->CreateStatus(ORT_FAIL, "SlabAttention: out of memory");
   k->api = api;
-  OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "num_heads", &k->H);
-  if (!st) st = api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->Hkv);
-  if (!st) st = api->KernelInfoGetAttribute_int64(info, "rotary", &k->rotary);
+  const char* ints[] = {"num_heads", "kv_num_heads", "head_dim", "layer", "num_layers", "rotary", "window"};
+  int64_t* slots[] = {&k->H, &k->Hkv, &k->D, &k->layer, &k->layers, &k->rotary, &k->window};
+  OrtStatus* st = NULL;
+  for (int i = 0; i < 7 && !st; i++) st = api->KernelInfoGetAttribute_int64(info, ints[i], slots[i]);
   if (!st) st = api->KernelInfoGetAttribute_float(info, "scale", &k->scale);
-  if (!st && (k->H <= 0 || k->Hkv <= 0))
-    st = api->CreateStatus(ORT_INVALID_ARGUMENT, "SlabAttention: num_heads and kv_num_heads must be positive");
+  if (!st) st = api->KernelInfoGetAttribute_float(info, "softcap", &k->cap);
+  if (!st && (k->H <= 0 || k->Hkv <= 0 || k->H % k->Hkv || k->H / k->Hkv > 64 || k->D % 16 || k->D <= 0 ||
+              k->D > 512 || k->layer < 0 || k->layer >= k->layers || k->window < 0))
+    st = BAD("num_heads a multiple of kv_num_heads (at most 64 a KV head), head_dim % 16 == 0 and <= 512, "
+             "0 <= layer < num_layers, window >= 0");
   if (st) { free(k); return st; }
   *out = k;
   return NULL;
 }
 
 static const char* name(const OrtCustomOp* op) { (void)op; return "SlabAttention"; }
-static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? T_INT32 : T_FLOAT; }
-static size_t inputs(const OrtCustomOp* op) { (void)op; return 6; }
-static size_t outputs(const OrtCustomOp* op) { (void)op; return 3; }
+static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 2 ? T_INT64 : T_FLOAT; }
+static size_t inputs(const OrtCustomOp* op) { (void)op; return 5; }
+static size_t outputs(const OrtCustomOp* op) { (void)op; return 1; }
 
 OrtCustomOp slab_attention_op = {
   .version = API_VERSION, .GetName = name, .GetExecutionProviderType = op_cpu,

@@ -85,10 +85,6 @@ class TargetActor:
     def usage(self) -> PoolUsage:
         return self.runner.usage()
 
-    def serve_batches(self) -> int:
-        self.runner.serve_batches()
-        return self.runner.max_batch
-
     def where(self) -> str:
         import ray
 
@@ -165,9 +161,6 @@ class RayRunner(Runner):
         records = [RunnerCall(FORWARD, i.seq_id, i.start, i.num_logits, [int(t) for t in i.tokens]).pack()
                    for i in items]
         return self._get(self.actor.batch.remote(records), self._timeout(max(len(i.tokens) for i in items)))
-
-    def serve_batches(self) -> None:
-        self.max_batch = self._get(self.actor.serve_batches.remote(), self.timeout_s)
 
     def copy_prefix(self, src_id: int, dst_id: int, length: int) -> None:
         if not self.can_copy_prefix:

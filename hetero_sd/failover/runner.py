@@ -72,7 +72,6 @@ class FailoverRunner(Runner):
         # A failed runner's features not yet taken are carried over; the replay's own are dropped.
         self._layers = tuple(runner.feature_layers)
         self._carried: dict[int, object] = {}
-        self._batches = False  # serve_batches() was said: a replacement is told too, before its replay
 
     device = property(lambda self: self.current.device)
     precision = property(lambda self: self.current.precision)
@@ -107,10 +106,6 @@ class FailoverRunner(Runner):
         self._next_id += 1
         self._seqs[self._next_id] = _Seq(inner, capacity, history if history is not None else TokenHistory([]))
         return self._next_id
-
-    def serve_batches(self) -> None:
-        self._batches = True
-        self._guarded(self.current.serve_batches)
 
     def take_features(self, seq_id: int):
         s = self._seqs.get(seq_id)
@@ -205,8 +200,6 @@ class FailoverRunner(Runner):
                     f"{where(replacement)} cannot return the hidden states of layers {list(self._layers)}")
                 continue
             try:
-                if self._batches:
-                    replacement.serve_batches()
                 inner = {seq_id: self._replay(replacement, s) for seq_id, s in self._seqs.items()}
                 break
             except Exception as again:

@@ -102,8 +102,6 @@ class BatchEngine:
                  on_step: Callable[[int, int], None] | None = None, prefix_cache: int = 8):
         self.engine = engine
         self.target = engine.target_runner  # (a FailoverRunner: a device failure moves the whole batch)
-        if max_running > 1:  # several sequences per call from now on: the runner's batched path for all
-            self.target.serve_batches()
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
         self.on_finish, self.on_step = on_finish, on_step  # on_step(sequences, rows) after each batched call
         self.cost = BatchCost()

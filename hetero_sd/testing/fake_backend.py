@@ -318,9 +318,6 @@ class FakeRunner(Runner):
     def copy_prefix(self, src_id: int, dst_id: int, length: int) -> bool:
         return self.inner.copy_prefix(src_id, dst_id, length)
 
-    def serve_batches(self) -> None:  # (its calls stay one sequence each; the wrapped runner rounds as told)
-        self.inner.serve_batches()
-
     def declared_costs(self) -> FakeCosts:
         return self._costs
 

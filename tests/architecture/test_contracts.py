@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER_REQUIRED = {"allocate", "forward", "greedy", "truncate", "length", "release", "usage"}
 RUNNER_OPTIONAL = {"max_batch": 1, "forward_batch": None, "feature_layers": (), "take_features": None,
                    "can_copy_prefix": False, "copy_prefix": None, "close": None, "location": None,
-                   "kernel_choice": "", "pads_single_row": False, "serve_batches": None,
+                   "kernel_choice": "", "pads_single_row": False,
                    "draft_only": None}
 DRAFTER_REQUIRED = {"begin", "draft", "reset"}
 DRAFTER_OPTIONAL = {"can_fork": False, "fork": None, "takes_guide": True, "feature_layers": (), "runner": None,

@@ -12,6 +12,7 @@ import pytest
 from hetero_sd.backends.base import BatchItem, Runner, run_batch
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir
+from helpers.native import load_pool_graph
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
@@ -21,21 +22,27 @@ CASES = [("torch", "fp32", "llama"), ("torch", "fp32", "mistral-swa"),
          # the other families: per-layer windows, MoE routing, NoPE, partial RoPE, q/k norms
          ("torch", "fp32", "gemma3"), ("torch", "fp32", "qwen3-moe"), ("onnxruntime", "fp32", "gemma3"),
          ("onnxruntime", "int4", "mixtral"), ("onnxruntime", "fp32", "phi3"), ("onnxruntime", "int8", "smollm3"),
-         ("onnxruntime", "fp32", "qwen3")]
+         ("onnxruntime", "fp32", "qwen3"),
+         # the graph that gathers attention from the pool (where SlabAttention cannot run)
+         ("onnxruntime:pool", "fp32", "llama"), ("onnxruntime:pool", "int4", "gemma3")]
 
 
-def _load(backend, folder, precision, batches=True):
-    """batches: told it will batch (Runner.serve_batches), as the server does."""
-    runner = REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 8 << 20)
-    if batches:
-        runner.serve_batches()
-    return runner
+def _load(backend, folder, precision):
+    """backend[:pool]: onnxruntime's graph that gathers attention from the pool."""
+    backend, _, graph = backend.partition(":")
+    model = load_model_ir(folder)
+    if graph == "pool":
+        return load_pool_graph(REGISTRY.get(backend), model, "cpu", precision, 8 << 20)
+    return REGISTRY.get(backend).load(model, "cpu", precision, 8 << 20)
+
+
+SIZES = (2, 5, 16, 3, 9)  # sequences a batch, one size a trial
 
 
 def _batch(runner, rng, trial):
-    """2..9 sequences with random capacities, prompt lengths and row counts."""
+    """SIZES[trial] sequences with random capacities, prompt lengths and row counts."""
     items = []
-    for b in range(rng.randint(2, 9)):
+    for b in range(SIZES[trial]):
         cap = rng.choice([33, 40, 64, 100])
         plen = rng.randint(1, cap - 12)
         seq = runner.allocate(cap)
@@ -72,12 +79,11 @@ def test_batched_rows_equal_solo_rows_bitwise(tiny_model_dir, backend, precision
             runner.release(it.seq_id)
 
 
-@pytest.mark.parametrize("batches", [True, False])
-def test_failed_batch_claims_no_position(tiny_model_dir, batches):
+@pytest.mark.parametrize("backend", ["onnxruntime", "onnxruntime:pool"])
+def test_failed_batch_claims_no_position(tiny_model_dir, backend):
     """A batch that cannot write (one sequence past its reservation) leaves every
-    sequence's length where it was: in the batched graph, and in the in-place
-    one, which runs the sequences one by one."""
-    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32", batches)
+    sequence's length where it was, in either graph."""
+    runner = _load(backend, tiny_model_dir("llama"), "fp32")
     a, b = runner.allocate(40), runner.allocate(8)
     runner.forward(a, [1, 2, 3], 0, 1)
     runner.forward(b, [1, 2, 3], 0, 1)
@@ -110,12 +116,13 @@ def test_run_batch_falls_back_to_one_call_per_sequence():
     assert [o.shape for o in out] == [(1, 4), (2, 4)] and out[1][0, 0] == 9.0
 
 
-@pytest.mark.parametrize("precision,batches", [("fp32", True), ("int4", True), ("int4", False)])
-def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, precision, batches):
+@pytest.mark.parametrize("backend,precision", [("onnxruntime", "fp32"), ("onnxruntime", "int4"),
+                                               ("onnxruntime:pool", "int4")])
+def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, backend, precision):
     """onnxruntime's copy_prefix: a sequence given another's first L positions, then
     prefilled from L, scores exactly as one that prefilled the whole prompt (what
     makes the server's prefix cache exact), in either graph."""
-    runner = _load("onnxruntime", tiny_model_dir("llama"), precision, batches)
+    runner = _load(backend, tiny_model_dir("llama"), precision)
     prompt, cont = random_prompt(37, seed=4), random_prompt(6, seed=5)
     whole = runner.allocate(64)
     want = runner.forward(whole, prompt, 0, 1)
@@ -136,35 +143,11 @@ def test_copied_prefix_equals_computed_prefix_bitwise(tiny_model_dir, precision,
         runner.copy_prefix(donor, runner.allocate(64), 40)
 
 
-def test_serve_batches_switches_onnxruntime_to_its_batched_graph_before_any_sequence(tiny_model_dir):
-    """onnxruntime on the CPU starts in its in-place graph (one sequence a call) and
-    takes the batched graph for good when told, only while no sequence lives (the
-    two graphs round apart, so a sequence never crosses from one to the other)."""
-    from hetero_sd.errors import BackendError
-
-    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32", batches=False)
-    assert runner.max_batch == 1 and runner.kernel_choice.startswith("in-place attention")
-    seq = runner.allocate(40)
-    with pytest.raises(BackendError, match="1 live sequences"):
-        runner.serve_batches()
-    runner.release(seq)
-    runner.serve_batches()
-    assert runner.max_batch == 32 and runner.kernel_choice.startswith("batched graph")
-    runner.serve_batches()  # said again: nothing changes
+def test_onnxruntime_runs_one_graph_for_every_call(tiny_model_dir):
+    """On the CPU one graph takes one sequence or many (SlabAttention over the pool):
+    nothing to switch before serving, and its description says so."""
+    runner = _load("onnxruntime", tiny_model_dir("llama"), "fp32")
     assert runner.max_batch == 32
-    seq = runner.allocate(40)
-    assert runner.forward(seq, random_prompt(9, seed=2), 0, 1).shape == (1, runner.vocab_size)
-
-
-def test_an_onnxruntime_older_than_the_in_place_graph_runs_the_batched_one(tiny_model_dir, monkeypatch):
-    """The attention op's semantics changed across releases: before the tested one
-    (INPLACE_SINCE) every call runs the batched graph, exact there too."""
-    import onnxruntime
-
-    from hetero_sd.backends import ort_backend
-
-    monkeypatch.setattr(onnxruntime, "__version__", "1.31.1")
-    runner = _load("onnxruntime", tiny_model_dir("llama"), "int4", batches=False)
-    assert runner.max_batch == 32 and runner.kernel_choice.startswith("batched graph")
-    monkeypatch.setattr(onnxruntime, "__version__", ".".join(map(str, ort_backend.INPLACE_SINCE)) + ".0")
-    assert _load("onnxruntime", tiny_model_dir("llama"), "int4", batches=False).max_batch == 1
+    assert runner.kernel_choice.startswith("attention by our SlabAttention"), runner.kernel_choice
+    assert "any sequences a call" in runner.kernel_choice
+    assert not hasattr(runner, "serve_batches")

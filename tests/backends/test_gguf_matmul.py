@@ -258,7 +258,7 @@ def test_the_gguf_graph_runs_the_files_blocks(tiny_gguf, monkeypatch, mix):
     ir = load_model_ir(path)
     ours = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20)
     assert "by our BlockMatMul" in ours.kernel_choice and ours.padding == "none"
-    graph = onnx.load(str(ours._graph_path("inplace", True)), load_external_data=False).graph
+    graph = onnx.load(str(ours._graph_path("pool", True)), load_external_data=False).graph
     ops = [n for n in graph.node if n.op_type == "GGUFMatMul"]
     types = {a.i for n in ops for a in n.attribute if a.name == "type"}
     kinds = {v: kind for kind, v in native.GGUF_TYPES.items()}

@@ -8,6 +8,7 @@ import pytest
 from hetero_sd.backends.registry import discover
 from hetero_sd.errors import BackendError, KVBudgetError
 from hetero_sd.ir import load_model_ir, reference_logits
+from helpers.native import load_pool_graph
 from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
@@ -16,10 +17,10 @@ GRAPH_BACKENDS = [name for name in ("onnxruntime", "openvino") if name in REGIST
 # reassociation only); lower precisions within a fraction of the logits' spread
 # (std ~3 on the tiny models): bf16 keeps 8 mantissa bits, int8/int4 are
 # weight-only quantisations of random weights, which int4 hurts most.
-# "onnxruntime:batched": its batched graph (Runner.serve_batches, as the server
-# says), which rounds apart from its default in-place graph: both are tested.
+# "onnxruntime:pool": its graph that gathers attention from the pool, which a host
+# runs where our SlabAttention cannot be built or does not cover the model.
 CASES = [("onnxruntime", "fp32", 1e-4), ("onnxruntime", "int8", 0.2), ("onnxruntime", "int4", 1.5),
-         ("onnxruntime:batched", "fp32", 1e-4), ("onnxruntime:batched", "int4", 1.5),
+         ("onnxruntime:pool", "fp32", 1e-4), ("onnxruntime:pool", "int4", 1.5),
          ("openvino", "fp32", 1e-4), ("openvino", "bf16", 0.2), ("openvino", "int8", 0.2),
          ("openvino", "int4", 1.5)]
 
@@ -31,10 +32,9 @@ def _load(backend, folder, precision="fp32", budget=1 << 20):
     offered = {p.name for info in REGISTRY.get(backend).probe() for p in info.precisions}
     if precision == "bf16" and precision not in offered:  # hardware, not software: fp32 covers the path
         pytest.skip(f"this CPU has no bf16 ({backend} offers {sorted(offered)})")
-    runner = REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, budget)
-    if graph == "batched":
-        runner.serve_batches()
-    return runner
+    if graph == "pool":
+        return load_pool_graph(REGISTRY.get(backend), load_model_ir(folder), "cpu", precision, budget)
+    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, budget)
 
 
 @pytest.mark.parametrize("backend,precision,tol", CASES)
@@ -84,13 +84,13 @@ def _spy_windows(runner) -> list[int]:
     return windows
 
 
-@pytest.mark.parametrize("backend,precision", [("onnxruntime:batched", "fp32"), ("onnxruntime:batched", "int4"),
+@pytest.mark.parametrize("backend,precision", [("onnxruntime:pool", "fp32"), ("onnxruntime:pool", "int4"),
                                                ("openvino", "fp32"), ("openvino", "int4")])
 def test_attention_window_length_never_changes_a_row(tiny_model_dir, backend, precision):
     """Attention reads a window of whole blocks, so a verify and the one-token
     steps it replaces often read windows of different lengths: the masked
-    tail must add exact zeros, bitwise, on every path. (onnxruntime's in-place
-    graph reads no window: its rows are checked by the invariance test above.)"""
+    tail must add exact zeros, bitwise, on every path. (onnxruntime's SlabAttention
+    reads no window: its rows are checked by the invariance test above.)"""
     runner = _load(backend, tiny_model_dir("llama"), precision)
     runner.WINDOW_BLOCK = 16  # several windows within a short test
     windows = _spy_windows(runner)
@@ -115,8 +115,9 @@ def test_a_slab_the_budget_cannot_round_is_read_whole(tiny_model_dir, backend):
     window stays block-rounded (slots past the slab are masked) and is never
     longer than the slab."""
     model = load_model_ir(tiny_model_dir("llama"))
-    runner = REGISTRY.get(backend).load(model, "cpu", "fp32", 40 * model.config.kv_bytes_per_token(4))
-    runner.serve_batches()  # (onnxruntime: the batched graph, the one that reads windows)
+    budget = 40 * model.config.kv_bytes_per_token(4)
+    runner = load_pool_graph(REGISTRY.get(backend), model, "cpu", "fp32", budget) if backend == "onnxruntime" \
+        else REGISTRY.get(backend).load(model, "cpu", "fp32", budget)  # (onnxruntime: the graph that reads windows)
     windows = _spy_windows(runner)
     seq = runner.allocate(40)  # 64 does not fit: the exact 40
     runner.forward(seq, random_prompt(5, seed=1), 0, 1)
@@ -234,8 +235,8 @@ def test_failed_runtime_call_leaves_sequence_length(tiny_model_dir, backend, mon
 
     monkeypatch.setattr(runner, "_infer", boom)
     monkeypatch.setattr(runner, "_infer_batch", boom)
-    if backend == "onnxruntime":  # its in-place graph's call
-        monkeypatch.setattr(runner._inplace, "run", boom)
+    if backend == "onnxruntime":  # its SlabAttention graph's call
+        monkeypatch.setattr(runner._varlen, "run", boom)
     with pytest.raises(RuntimeError, match="fell over"):
         runner.forward(seq, [1, 2, 3], 5, 3)
     assert runner.length(seq) == 5  # nothing claimed that was not written

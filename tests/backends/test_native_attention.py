@@ -23,29 +23,48 @@ def library(monkeypatch):
     return native.attention_library()  # on such a CPU, a build failure fails the test
 
 
-def _session(lib, H, Hkv, D, rotary):
+LAYERS = 2  # slabs [2, LAYERS, Hkv, R, D] in the pool; the op runs layer 1's
+
+
+def _session(lib, H, Hkv, D, rotary, window=0, cap=0.0):
     import onnxruntime as ort
 
     v = helper.make_tensor_value_info
-    slab = lambda n: v(n, TensorProto.FLOAT, [1, Hkv, "R", D])  # noqa: E731
-    node = helper.make_node("SlabAttention", ["qkv", "pk", "pv", "total", "cos", "sin"], ["o", "k", "v"],
-                            domain=DOMAIN, num_heads=H, kv_num_heads=Hkv, rotary=rotary, scale=0.3)
-    graph = helper.make_graph([node], "g", [v("qkv", TensorProto.FLOAT, ["T", (H + 2 * Hkv) * D]), slab("pk"),
-                                            slab("pv"), v("total", TensorProto.INT32, []),
+    node = helper.make_node("SlabAttention", ["qkv", "pool", "seqs", "cos", "sin"], ["o"], domain=DOMAIN,
+                            num_heads=H, kv_num_heads=Hkv, head_dim=D, layer=1, num_layers=LAYERS, rotary=rotary,
+                            scale=0.3, window=window, softcap=cap)
+    graph = helper.make_graph([node], "g", [v("qkv", TensorProto.FLOAT, ["T", (H + 2 * Hkv) * D]),
+                                            v("pool", TensorProto.FLOAT, ["N"]), v("seqs", TensorProto.INT64, ["B", 5]),
                                             v("cos", TensorProto.FLOAT, ["P", "W"]), v("sin", TensorProto.FLOAT, ["P", "W"])],
-                              [v("o", TensorProto.FLOAT, ["T", H * D]), slab("k"), slab("v")])
+                              [v("o", TensorProto.FLOAT, ["T", H * D])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     opts.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(model.SerializeToString(), opts)
+    sess = ort.InferenceSession(model.SerializeToString(), opts)
+
+    def run(qkv, pool, seqs, cos, sin):
+        """seqs: (first row, rows, past, R, offset) per sequence; the pool is written in place."""
+        io = sess.io_binding()
+        io.bind_input("pool", "cpu", 0, np.float32, [pool.size], pool.ctypes.data)
+        for name, x in (("qkv", qkv), ("seqs", np.asarray(seqs, np.int64)), ("cos", cos), ("sin", sin)):
+            io.bind_cpu_input(name, x)
+        io.bind_output("o", "cpu")
+        sess.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()[0]
+    return run
 
 
-def _reference(qkv, K, V, past, H, Hkv, D, cos, sin, rotary):
+def _slab(pool, offset, Hkv, R, D, kv):
+    """Layer 1's K (kv 0) or V (kv 1) of the slab at `offset`: a view [Hkv, R, D]."""
+    return pool[offset:offset + 2 * LAYERS * Hkv * R * D].reshape(2, LAYERS, Hkv, R, D)[kv, 1]
+
+
+def _reference(qkv, K, V, past, H, Hkv, D, cos, sin, rotary, window=0, cap=0.0):
     """Causal attention in float64, rotate-half RoPE over the tables' width."""
     T, half = qkv.shape[0], cos.shape[1]
     x = qkv.astype(np.float64).reshape(T, H + 2 * Hkv, D)
-    K, V = K[0].astype(np.float64).copy(), V[0].astype(np.float64).copy()
+    K, V = K.astype(np.float64).copy(), V.astype(np.float64).copy()
 
     def rope(y, pos):
         if not rotary:
@@ -60,52 +79,88 @@ def _reference(qkv, K, V, past, H, Hkv, D, cos, sin, rotary):
     out = np.zeros((T, H, D))
     for t in range(T):
         n = past + t + 1
+        lo = max(0, n - window) if window else 0
         for h in range(H):
             g = h // (H // Hkv)
-            s = K[g, :n] @ rope(x[t, h], past + t) * 0.3
+            s = K[g, lo:n] @ rope(x[t, h], past + t) * 0.3
+            if cap:
+                s = cap * np.tanh(s / cap)
             p = np.exp(s - s.max())
-            out[t, h] = p @ V[g, :n] / p.sum()
+            out[t, h] = p @ V[g, lo:n] / p.sum()
     return out.reshape(T, H * D), K, V
 
 
 @needs_avx2
 @pytest.mark.parametrize("H,Hkv,D,half", [(4, 4, 16, 8), (4, 2, 32, 16), (12, 2, 64, 32), (6, 1, 16, 4)])
-@pytest.mark.parametrize("rotary", [1, 0])
-def test_the_op_matches_a_float64_reference(library, H, Hkv, D, half, rotary):
-    rng = np.random.default_rng(H * D + rotary)
+@pytest.mark.parametrize("rotary,window,cap", [(1, 0, 0.0), (0, 0, 0.0), (1, 6, 0.0), (1, 0, 2.5)],
+                         ids=["rope", "no-rope", "window", "softcap"])
+def test_the_op_matches_a_float64_reference(library, H, Hkv, D, half, rotary, window, cap):
+    rng = np.random.default_rng(H * D + rotary + window)
     cos, sin = (rng.random((64, half), dtype=np.float32) for _ in range(2))
-    sess, R = _session(library, H, Hkv, D, rotary), 48
+    run, R, offset = _session(library, H, Hkv, D, rotary, window, cap), 48, 7  # the slab need not start at 0
     for past, T in ((0, 1), (0, 9), (7, 1), (20, 5), (31, 17)):
-        K, V = (rng.standard_normal((1, Hkv, R, D), dtype=np.float32) for _ in range(2))
+        pool = rng.standard_normal(offset + 2 * LAYERS * Hkv * R * D + 5, dtype=np.float32)
+        before = pool.copy()
+        K, V = (_slab(pool, offset, Hkv, R, D, kv).copy() for kv in (0, 1))
         qkv = rng.standard_normal((T, (H + 2 * Hkv) * D), dtype=np.float32)
-        out, k, v = sess.run(None, {"qkv": qkv, "pk": K, "pv": V, "total": np.array(past + T, np.int32),
-                                    "cos": cos, "sin": sin})
-        ref, rk, rv = _reference(qkv, K, V, past, H, Hkv, D, cos, sin, rotary)
+        out = run(qkv, pool, [(0, T, past, R, offset)], cos, sin)
+        ref, rk, rv = _reference(qkv, K, V, past, H, Hkv, D, cos, sin, rotary, window, cap)
+        k, v = (_slab(pool, offset, Hkv, R, D, kv) for kv in (0, 1))
         assert np.abs(out - ref).max() < 1e-5, (past, T)
-        assert np.abs(k[0, :, :past + T] - rk[:, :past + T]).max() < 1e-5
-        assert np.array_equal(v[0, :, :past + T], rv[:, :past + T].astype(np.float32))
-        assert np.array_equal(k[0, :, :past], K[0, :, :past])  # the past carried over, untouched
+        assert np.abs(k[:, :past + T] - rk[:, :past + T]).max() < 1e-5
+        assert np.array_equal(v[:, :past + T], rv[:, :past + T].astype(np.float32))
+        written = np.zeros(pool.shape, bool)  # only the new rows' K and V were written
+        for kv in (0, 1):
+            _slab(written, offset, Hkv, R, D, kv)[:, past:past + T] = True
+        assert np.array_equal(pool[~written], before[~written])
 
 
 @needs_avx2
 @pytest.mark.parametrize("H,Hkv,D", [(12, 2, 64), (9, 3, 64)])  # 6 and 3 query heads a KV head (the 1.5B's, SmolLM2's)
-def test_a_row_rounds_alike_alone_and_in_any_call(library, H, Hkv, D):
-    """Row t of a T-row call equals the same row run alone after rows 0..t-1, bitwise."""
+def test_a_row_rounds_alike_alone_in_any_call_and_in_any_batch(library, H, Hkv, D):
+    """Row t of a T-row call equals the same row run alone after rows 0..t-1, bitwise,
+    and so does every row of a call that packs several sequences (varlen) of other
+    lengths and widths."""
     rng = np.random.default_rng(5)
-    sess, R, past = _session(library, H, Hkv, D, 1), 64, 21
+    run, R, past = _session(library, H, Hkv, D, 1), 64, 21
+    size = 2 * LAYERS * Hkv * R * D
     cos, sin = (rng.random((R, D // 2), dtype=np.float32) for _ in range(2))
-    K, V = (rng.standard_normal((1, Hkv, R, D), dtype=np.float32) for _ in range(2))
+    start = rng.standard_normal(size, dtype=np.float32)
     qkv = rng.standard_normal((16, (H + 2 * Hkv) * D), dtype=np.float32)
-    feed = lambda q, k, v, total: {"qkv": q, "pk": k, "pv": v, "total": np.array(total, np.int32),  # noqa: E731
-                                   "cos": cos, "sin": sin}
-    alone, k, v = [], K, V
+    pool, alone = start.copy(), []
     for t in range(16):
-        out, k, v = sess.run(None, feed(qkv[t:t + 1], k, v, past + t + 1))
-        alone.append(out[0])
+        alone.append(run(qkv[t:t + 1], pool, [(0, 1, past + t, R, 0)], cos, sin)[0])
+    after = pool.copy()
     for width in (1, 2, 3, 4, 5, 8, 9, 16):
-        out, kw, _ = sess.run(None, feed(qkv[:width], K, V, past + width))
-        assert np.array_equal(out, np.stack(alone[:width])), width
-        assert np.array_equal(kw[0, :, :past + width], k[0, :, :past + width])
+        pool = start.copy()
+        assert np.array_equal(run(qkv[:width], pool, [(0, width, past, R, 0)], cos, sin), np.stack(alone[:width]))
+        k = _slab(pool, 0, Hkv, R, D, 0)
+        assert np.array_equal(k[:, :past + width], _slab(after, 0, Hkv, R, D, 0)[:, :past + width])
+    # the same rows beside two other sequences, packed before and after them
+    others = rng.standard_normal(2 * size, dtype=np.float32)
+    o_qkv = rng.standard_normal((3 + 7, (H + 2 * Hkv) * D), dtype=np.float32)
+    for width in (1, 5):
+        pool = np.concatenate([others[:size], start, others[size:]])
+        batch = np.concatenate([o_qkv[:3], qkv[:width], o_qkv[3:]])
+        seqs = [(0, 3, 40, R, 0), (3, width, past, R, size), (3 + width, 7, 0, R, 2 * size)]
+        out = run(batch, pool, seqs, cos, sin)
+        assert np.array_equal(out[3:3 + width], np.stack(alone[:width])), width
+
+
+@needs_avx2
+@pytest.mark.parametrize("seqs,says", [
+    ([(0, 2, 0, 8, 0), (1, 1, 0, 8, 4096)], "pack"),  # rows overlap
+    ([(0, 3, 0, 8, 0)], "cover"),  # T = 4 rows, 3 covered
+    ([(0, 4, 6, 8, 0)], "reserved"),  # past + rows > R
+    ([(0, 2, 0, 8, 0), (2, 2, 0, 8, 100)], "overlap"),  # slabs overlap
+    ([(0, 4, 0, 8, 1 << 20)], "outside the pool")])
+def test_bad_extents_are_refused_before_a_write(library, seqs, says):
+    run, D, Hkv = _session(library, 4, 2, 16, 1), 16, 2
+    pool = np.zeros(3 * 2 * LAYERS * Hkv * 8 * D, np.float32)
+    cos = np.ones((16, 8), np.float32)
+    with pytest.raises(Exception, match=says):
+        run(np.ones((4, 8 * D), np.float32), pool, seqs, cos, cos)
+    assert not pool.any()
 
 
 @needs_avx2
@@ -119,7 +174,7 @@ def test_it_is_on_by_default_and_off_where_not_named(monkeypatch):
 def test_devices_say_which_attention_runs(monkeypatch):
     monkeypatch.setenv(native.ENV, "matmul")
     cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
-    assert cpu.description.endswith(f"attention: GroupQueryAttention; SlabAttention off ({native.ENV}=matmul,attention "
+    assert cpu.description.endswith(f"attention: gathered from the pool; SlabAttention off ({native.ENV}=matmul,attention "
                                     "turns it on)")
 
 
@@ -130,21 +185,28 @@ def test_devices_say_when_our_attention_runs(library):
 
 
 def test_models_it_does_not_cover_say_why(tiny_model_dir):
-    assert native.native_fits(load_model_ir(tiny_model_dir("llama")).config) == (True, "")
-    assert native.native_fits(load_model_ir(tiny_model_dir("mistral-swa")).config) == (False, "sliding-window layers")
+    from dataclasses import replace
+
+    cfg = load_model_ir(tiny_model_dir("llama")).config
+    assert native.native_fits(cfg) == (True, "")
+    for variant in ("mistral-swa", "gemma3", "qwen3"):  # windows, soft-caps, q/k norms: covered
+        assert native.native_fits(load_model_ir(tiny_model_dir(variant)).config) == (True, ""), variant
+    assert native.native_fits(replace(cfg, head_dim=24)) == (False, "head dimension 24 (needs a multiple of 16, at most 512)")
 
 
 @needs_avx2
-@pytest.mark.parametrize("variant", ["llama-tied", "qwen2", "llama3-rope", "mistral-swa"])
-@pytest.mark.parametrize("precision,tol", [("fp32", 1e-4), ("int8", 0.2), ("int4", 1.5)])  # test_graph_backends CASES
+@pytest.mark.parametrize("variant,precision,tol", [  # test_graph_backends CASES' tolerances
+    *[(v, p, t) for v in ("llama-tied", "qwen2", "llama3-rope", "mistral-swa")
+      for p, t in (("fp32", 1e-4), ("int8", 0.2), ("int4", 1.5))],
+    # the other families' attention, where quantization cannot hide an error
+    *[(v, "fp32", 1e-4) for v in ("gemma3", "qwen3", "phi3", "smollm3")]])
 def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, library, variant, precision, tol):
-    """The in-place graph with SlabAttention (GroupQueryAttention where the model has
-    what the op does not cover) against transformers' logits."""
+    """The graph with SlabAttention against transformers' logits, on every family's
+    attention: windows, soft-caps, q/k norms, partial and local RoPE, NoPE layers."""
     folder = tiny_model_dir(variant)
     ir = load_model_ir(folder)
     runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
-    covered = native.native_fits(ir.config)[0]
-    assert ("our SlabAttention" in runner.kernel_choice) == covered, runner.kernel_choice
+    assert "our SlabAttention" in runner.kernel_choice, runner.kernel_choice
     prompt = random_prompt(30, seed=3)
     ref = reference_logits(ir, prompt).numpy()
     got = runner.forward(runner.allocate(40), prompt, 0, len(prompt))

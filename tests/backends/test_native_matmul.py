@@ -165,7 +165,7 @@ def test_devices_say_which_matmul_runs(monkeypatch, kernels):
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen2-wide"])  # qwen2-wide: 4-bit blocks of 128, zero points
 @pytest.mark.parametrize("precision,tol", [("int8", 0.2), ("int4", 1.5)])  # test_graph_backends CASES
 def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, kernels, variant, precision, tol):
-    """The in-place graph with BlockMatMul (always), and with MatMulNBits
+    """The graph with BlockMatMul (always), and with MatMulNBits
     (HETERO_SD_NATIVE=0, as on a host that cannot build ours), against transformers'
     logits, prefill and token by token."""
     monkeypatch.setenv(native.ENV, kernels)
@@ -185,7 +185,7 @@ def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, kernels, v
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_the_lowering_puts_our_op_on_every_quantized_linear_layer(tiny_model_dir, precision):
-    """With native_matmul, every MatMulNBits of the in-place graph becomes BlockMatMul on
+    """With native_matmul, every MatMulNBits of the graph becomes BlockMatMul on
     the same inputs and attributes (less accuracy_level); without, the graph is
     onnxruntime's own."""
     from hetero_sd.backends.onnx_llama import build_llama_onnx
@@ -194,7 +194,7 @@ def test_the_lowering_puts_our_op_on_every_quantized_linear_layer(tiny_model_dir
     layers = ir.config.num_layers
     ops = {}
     for native_matmul in (True, False):
-        proto = build_llama_onnx(ir, precision, attention="inplace", native_matmul=native_matmul)
+        proto = build_llama_onnx(ir, precision, attention="native", native_matmul=native_matmul)
         ops[native_matmul] = [n for n in proto.graph.node]
     ours = [n for n in ops[True] if n.op_type == "BlockMatMul"]
     theirs = [n for n in ops[False] if n.op_type == "MatMulNBits"]

@@ -16,10 +16,11 @@ from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
 QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4")]
-# onnxruntime's in-place graph by default (BlockMatMul or MatMulNBits, whichever exact
+# onnxruntime's SlabAttention graph by default (BlockMatMul or MatMulNBits, whichever exact
 # path was the faster here: kernel_timing.py), each of those two forced (our BlockMatMul
 # always; MatMulNBits in the same SlabAttention graph, HETERO_SD_NATIVE=attention), and
-# onnxruntime's own ops alone (HETERO_SD_NATIVE=0, as where ours cannot build); OpenVINO
+# onnxruntime's own ops alone (HETERO_SD_NATIVE=0: attention gathered from the pool, as
+# where ours cannot build); OpenVINO
 # runs its own either way
 KERNELS = {"onnxruntime": (None, pytest.param("always", marks=needs_avx2), pytest.param("attention", marks=needs_avx2),
                            "0"), "openvino": (None,)}
@@ -34,7 +35,7 @@ WITH_KERNELS = [pytest.param(b, p, k, marks=m, id=f"{b}-{p}-{name}") for b, p in
 CONTEXTS = (3, 12, 40)
 
 
-def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: bool = False, kernels: str | None = None):
+def _load(backend, folder, precision, monkeypatch, pad: str | None, kernels: str | None = None):
     """kernels: HETERO_SD_NATIVE (None: the default: the faster exact matmul, timed);
     "always": BlockMatMul whatever MatMulNBits' verdict."""
     monkeypatch.delenv(native.MATMUL_ENV, raising=False)
@@ -49,10 +50,7 @@ def _load(backend, folder, precision, monkeypatch, pad: str | None, batches: boo
         monkeypatch.delenv(row_check.ENV, raising=False)
     else:
         monkeypatch.setenv(row_check.ENV, pad)
-    runner = REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20)
-    if batches:  # onnxruntime's batched graph, checked on its own
-        runner.serve_batches()
-    return runner
+    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20)
 
 
 def _invariant(runner, contexts=CONTEXTS, widths=range(1, 17)) -> list[tuple[int, int]]:
@@ -80,15 +78,6 @@ def test_one_row_decode_equals_every_verify_row(tiny_model_dir, monkeypatch, bac
     decode equals row i of a k-row verify, k = 1..16, after 3, 12 and 40 tokens."""
     runner = _load(backend, tiny_model_dir(variant), precision, monkeypatch, pad, kernels=kernels)
     assert runner.kernel_choice, "a quantized graph runner says how it runs one-token calls"
-    assert _invariant(runner) == []
-
-
-@pytest.mark.parametrize("pad", [None, "1"], ids=["as-checked", "padded"])
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_one_row_decode_equals_every_verify_row_in_the_batched_graph(tiny_model_dir, monkeypatch, precision, pad):
-    """The same for onnxruntime's batched graph (the server's): its own verdict, its own rows."""
-    runner = _load("onnxruntime", tiny_model_dir("qwen2"), precision, monkeypatch, pad, batches=True)
-    assert runner.kernel_choice.startswith("batched graph")
     assert _invariant(runner) == []
 
 
@@ -202,23 +191,19 @@ def test_no_exact_padding_is_an_error_not_a_guess(tmp_path, monkeypatch):
     assert row_check.settle(again, folder).padding == "pairs"
 
 
-@pytest.mark.parametrize("backend,precision,batches,kernels", [
-    ("onnxruntime", "int4", False, "0"), pytest.param("onnxruntime", "int4", False, "always", marks=needs_avx2),
-    ("onnxruntime", "int4", True, "0"), ("openvino", "int4", False, None)],
-    ids=["onnxruntime-in-place", "onnxruntime-in-place-blockmatmul", "onnxruntime-batched", "openvino"])
-def test_a_draft_runner_runs_one_token_calls_unpadded(tiny_model_dir, monkeypatch, backend, precision, batches,
-                                                      kernels):
+@pytest.mark.parametrize("backend,precision,kernels", [
+    ("onnxruntime", "int4", "0"), pytest.param("onnxruntime", "int4", "always", marks=needs_avx2),
+    ("openvino", "int4", None)], ids=["onnxruntime-pool", "onnxruntime-blockmatmul", "openvino"])
+def test_a_draft_runner_runs_one_token_calls_unpadded(tiny_model_dir, monkeypatch, backend, precision, kernels):
     """draft_only(): a padded runner stops padding (a draft's rows are proposals), says so
-    in its kernel choice, and its one-token call is the unpadded one, bitwise; it stays
-    unpadded when onnxruntime reloads its batched graph. (The same kernels both ways: by
-    default a forced padding would send onnxruntime's matmuls to our BlockMatMul.)"""
+    in its kernel choice, and its one-token call is the unpadded one, bitwise. (The same
+    kernels both ways: by default a forced padding would send onnxruntime's matmuls to
+    our BlockMatMul.)"""
     folder = tiny_model_dir("llama")
-    plain = _load(backend, folder, precision, monkeypatch, "0", batches, kernels=kernels)
-    runner = _load(backend, folder, precision, monkeypatch, "1", False, kernels=kernels)
+    plain = _load(backend, folder, precision, monkeypatch, "0", kernels=kernels)
+    runner = _load(backend, folder, precision, monkeypatch, "1", kernels=kernels)
     assert runner.pads_single_row
     runner.draft_only()
-    if batches:
-        runner.serve_batches()
     assert not runner.pads_single_row and "draft_only" in runner.kernel_choice
     assert "padded to two rows" not in runner.kernel_choice
     prompt, cont = random_prompt(9, seed=5), random_prompt(6, seed=6)
@@ -268,11 +253,10 @@ def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, 
                          ids=["fp32", "int8-as-checked", "int8-padded", "int4-as-checked", "int4-padded"])  # fp32: never padded
 def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_dir, monkeypatch, precision, variant,
                                                                    pad):
-    """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1) in the in-place
-    graph: a one-token call is one row everywhere, no second attention row."""
+    """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1): a one-token
+    call is one row everywhere, no second attention row."""
     runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, pad, kernels="1")
     assert "our SlabAttention" in runner.kernel_choice
-    assert not runner._inplace.pads_rows
     assert _invariant(runner) == []
 
 

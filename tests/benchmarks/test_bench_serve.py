@@ -136,7 +136,8 @@ def test_table_and_ratios():
     rows = bench.table_rows(results)
     assert [row[:2] for row in rows] == [["1", "ours spec"], ["1", "ours no-spec"], ["1", "llama-cpp-python"],
                                          ["8", "ours spec"], ["8", "ours no-spec"], ["8", "llama-cpp-python"]]
-    assert rows[3][-3:] == ["400.0", "4.00x", "75%"] and rows[4][-3:] == ["-", "-", "-"] and rows[0][3] == "10"
+    assert rows[3][-4:] == ["400.0", "4.00x", "75%", "-"] and rows[4][-4:] == ["-", "-", "-", "-"] \
+        and rows[0][3] == "10"
     text = bench.render(results)
     assert len({line.count("|") for line in text.splitlines() if line.startswith("|")}) == 1
     assert "C=8: ours spec / llama-cpp-python 5.00x" in text
@@ -149,6 +150,7 @@ def test_load_loop_against_a_fake_sse_server(fake_server):
     assert sorted(FakeOpenAI.prompts) == sorted(prompts + prompts[:2])  # cycled, each sent once per turn
     ok = [r for r in results if r.ok]
     assert len(ok) == 5 and all(r.tokens == 4 and r.tokens_from == "usage" and r.finish == "stop" for r in ok)
+    assert all(r.text == "".join(WORDS) for r in ok)  # the streamed answer, kept to compare with C = 1
     assert all(r.ttft_s is not None and r.ttft_s <= r.e2e_s and r.tpot_s is not None for r in ok)
     errors = sorted(r.error for r in results if not r.ok)
     assert errors[0].startswith("InternalServerError") and errors[1] == "stream ended without finish_reason"
@@ -189,6 +191,17 @@ def test_server_lifecycle_and_a_whole_run(tmp_path, monkeypatch, capsys):
     assert report["results"]["spec"]["1"]["metrics"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0}
     assert set(report["ratios"]) == {"1", "2"} and report["meta"]["requests_per_level"] == {"1": 3, "2": 3}
     assert "| 2 | llama-cpp-python | 3/0 |" in capsys.readouterr().out
+    assert report["results"]["spec"]["2"]["same_as_alone"] == "3/3"  # every answer is its prompt's at C = 1
+
+
+def test_answers_are_compared_with_the_same_prompt_alone():
+    def level(*texts):
+        return {"per_request": [{"ok": True, "index": i, "text": t} for i, t in enumerate(texts)]}
+
+    by_level = {1: level("a", "b"), 4: level("a", "b", "a", "x"), 8: {"per_request": [
+        {"ok": False, "index": 0, "text": ""}, {"ok": True, "index": 1, "text": "b"}]}}
+    assert bench.same_as_alone(by_level, 2) == {1: "2/2", 4: "3/4", 8: "1/1"}
+    assert bench.same_as_alone({4: level("a")}, 2) == {}  # no C = 1 run: nothing to compare with
 
 
 def test_a_server_that_dies_or_ignores_sigterm(tmp_path):

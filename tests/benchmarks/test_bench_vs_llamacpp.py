@@ -21,12 +21,12 @@ def test_interleaves_llama_bench_and_our_target(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert mod.main(["--llamacpp-bin", str(tmp_path), "--model", str(model), "--rounds", "2", "--new-tokens", "6",
                      "--prefill", "20", "--context", "30", "--padded", "--json", str(out),
-                     "--target", "onnxruntime:cpu:int4", "--target", "onnxruntime:cpu:int4:batched"]) == 0
+                     "--target", "onnxruntime:cpu:int4", "--target", "onnxruntime:cpu:int4:pool"]) == 0
     report = json.loads(out.read_text())
     results = report["results"]
     assert set(results) == {"llama.cpp", "onnxruntime:cpu:int4", "onnxruntime:cpu:int4 padded",
-                            "onnxruntime:cpu:int4:batched", "onnxruntime:cpu:int4:batched padded"}
-    assert results["onnxruntime:cpu:int4:batched"]["kernel"].startswith("batched graph")
+                            "onnxruntime:cpu:int4:pool", "onnxruntime:cpu:int4:pool padded"}
+    assert results["onnxruntime:cpu:int4:pool"]["kernel"].startswith("attention gathered from the pool")
     assert results["llama.cpp"]["rounds"] == {"decode": [50.0, 50.0], "prefill": [400.0, 400.0]}
     ours = results["onnxruntime:cpu:int4"]
     assert len(ours["rounds"]["decode"]) == 2 and len(ours["verify_curve"]) == 9 and ours["verify_curve"][0] == 1.0

@@ -52,3 +52,24 @@ def assert_rows_alike(run, a):
             assert np.array_equal(run(a[i:i + m]), whole[i:i + m]), (m, i)
     assert np.array_equal(np.concatenate([run(a[i:i + 1]) for i in range(len(a))]), whole)
     return whole
+
+
+def load_pool_graph(backend, model, device: str, precision: str, budget: int):
+    """onnxruntime's graph that gathers attention from the pool (onnx_batch.py): what a
+    host runs where SlabAttention cannot be built or does not cover the model, loaded
+    here by turning our attention off for the load."""
+    import os
+
+    from hetero_sd.backends import native
+
+    before = os.environ.get(native.ENV)
+    os.environ[native.ENV] = "matmul"
+    try:
+        runner = backend.load(model, device, precision, budget)
+    finally:
+        if before is None:
+            del os.environ[native.ENV]
+        else:
+            os.environ[native.ENV] = before
+    assert runner.kernel_choice.startswith("attention gathered from the pool"), runner.kernel_choice
+    return runner

@@ -67,29 +67,6 @@ def test_target_failure_moves_to_the_next_device_token_identically(ir, drafter_k
     assert switched >= 4  # most failure points fall inside the run
 
 
-def test_a_replacement_is_told_to_serve_batches_before_its_replay(ir):
-    """serve_batches, said once to the engine's target (as the batching server does),
-    reaches a replacement too, before the live sequences are replayed into it: on
-    onnxruntime, whose in-place and batched graphs round apart, the replay and all
-    after it run in the batched graph, and the output is an undisturbed run's."""
-    def ort(failing_after=None):
-        failure = None if failing_after is None else FakeFailure(after_calls=failing_after)
-        return FakeBackend(devices=[FakeDeviceSpec(device="fake:0", failure=failure, inner_backend="onnxruntime"),
-                                    FakeDeviceSpec(device="fake:1", inner_backend="onnxruntime")])
-
-    prompt, new = _prompt(2), 20
-    healthy = ort().load(ir, "fake:1", "fp32", BUDGET)
-    healthy.serve_batches()
-    expected = Engine(healthy, NgramDrafter(1, 3), k=4).generate_ids(prompt, new)
-    fallback = RankedFallback(targets=[("fake:1", lambda: ort().load(ir, "fake:1", "fp32", BUDGET))])
-    engine = Engine(ort(3).load(ir, "fake:0", "fp32", BUDGET), NgramDrafter(1, 3), k=4, fallback=fallback)
-    engine.target_runner.serve_batches()
-    got = engine.generate_ids(prompt, new)
-    assert any("target moved to fake:fake:1" in e for e in got.stats.events), got.stats.events
-    assert engine.target_runner.current.inner.kernel_choice.startswith("batched graph")
-    assert got.token_ids == expected.token_ids
-
-
 @pytest.mark.parametrize("kind", ["runtime_error", "backend_error", "hang"])
 def test_drafter_failure_keeps_the_output(ir, kind):
     prompt, new = _prompt(2), 24
