@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="only the first N prompts (smoke runs)")
     ap.add_argument("--json", help="write the counts and every differing answer here")
     opts = ap.parse_args(argv)
+    opts.config = str(Path(opts.config).resolve())  # (the servers run in another folder)
     from hetero_sd.bench.prompts import load_prompts
 
     prompts = [p.prompt for name in opts.prompts.split(",") for p in load_prompts(name.strip())][:opts.limit]
