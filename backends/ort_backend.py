@@ -323,7 +323,7 @@ class OrtRunner(GraphRunner):
         if self._varlen is None:
             return super()._call_batch(items, rows)
         exts = [self._alloc.extent(it.seq_id) for it in items]
-        return self._varlen.run(list(items), [len(r[0]) for r in rows], [r[2] for r in rows],
+        return self._varlen.run([r[0] for r in rows], [it.start for it in items], [r[2] for r in rows],
                                 [(e.reserved, e.offset * self._per_pos) for e in exts])
 
     def _infer_batch(self, feeds: dict) -> list:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetero_sd.backends.base import BatchItem
-
 KEPT_ROWS = 32  # output buffers of up to this many rows are kept for the next call
 
 
@@ -23,23 +21,21 @@ class VarlenGraph:
         # output buffers by name and row count, bound per call
         self._buffers: dict[tuple[str, int], np.ndarray] = {}
 
-    def run(self, items: list[BatchItem], rows: list[int], logits: list[int], slabs: list[tuple[int, int]]
+    def run(self, tokens: list[list[int]], starts: list[int], logits: list[int], slabs: list[tuple[int, int]]
             ) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
-        """items' tokens (each item's `rows` of them: a padded call's last item one more,
-        its last token again, whose K/V lands in the slot past it), `logits` rows each
-        (its last ones), slabs (reserved positions, float offset in the pool) ->
-        (logits [sum(logits), vocab], features [T, .] or None, each item's first row): views."""
-        n = np.asarray(rows, dtype=np.int64)
+        """Each sequence's tokens (a padded call's last one longer by its last token again,
+        whose K/V lands in the slot past it) at its start, its last `logits` rows scored,
+        its slab (reserved positions, float offset in the pool) -> (logits [sum(logits),
+        vocab], features [T, .] or None, each sequence's first packed row): views."""
+        n = np.fromiter(map(len, tokens), np.int64, len(tokens))
         first = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)
-        ids = np.concatenate([np.asarray(list(it.tokens) + list(it.tokens[-1:]) * (k - len(it.tokens)),
-                                         dtype=np.int64) for it, k in zip(items, rows)])
-        seqs = np.array([(f, k, it.start, r, off) for it, f, k, (r, off) in zip(items, first, rows, slabs)],
-                        dtype=np.int64)
-        wanted = np.concatenate([np.arange(f + k - m, f + k) for f, k, m in zip(first, rows, logits)])
+        ids = np.fromiter((t for seq in tokens for t in seq), np.int64, int(n.sum()))
+        seqs = np.array([(f, k, s, r, off) for f, k, s, (r, off) in zip(first, n, starts, slabs)], dtype=np.int64)
+        wanted = np.concatenate([np.arange(f + k - m, f + k, dtype=np.int64) for f, k, m in zip(first, n, logits)])
         io = self._io
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("seqs", seqs)
-        io.bind_cpu_input("logit_rows", wanted.astype(np.int64))
+        io.bind_cpu_input("logit_rows", wanted)
         outs = {name: self._buffer(name, len(wanted) if name == "logits" else len(ids)) for name in self._widths}
         self._session.run_with_iobinding(io)
         return outs["logits"], outs.get("features"), first.tolist()
