@@ -51,6 +51,7 @@ from hetero_sd.drafting.suffix import SuffixDrafter
 from hetero_sd.engine import Engine
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest
+from hetero_sd.scheduler import Round
 
 WIDTHS = range(1, MAX_DRAFT_TOKENS + 2)
 
@@ -86,8 +87,8 @@ def lookup_runs(drafter, prompt: list[int], answer: list[int], free_rows: int = 
     runs, ctx = [0], prompt + answer[:1]
     for p in range(1, len(answer)):
         new = ctx if p == 1 else answer[p - 1:p]
-        got = drafter.draft(DraftRequest(0, len(ctx) - len(new), MAX_DRAFT_TOKENS, list(new), context=ctx,
-                                         free_rows=free_rows)).tokens
+        got = drafter.draft(DraftRequest(0, len(ctx) - len(new), MAX_DRAFT_TOKENS, list(new), context=ctx),
+                            Round(free_rows=free_rows)).tokens
         a = 0
         while a < len(got) and p + a < len(answer) and got[a] == answer[p + a]:
             a += 1

@@ -23,7 +23,10 @@ from hetero_sd.failover import Fallback, FailoverDrafter, FailoverRunner, NoFall
 from hetero_sd.ir.work import TokenHistory
 from hetero_sd.request import GenerationResult, Request
 from hetero_sd.sampling import Sampler, SamplingParams
+from hetero_sd.scoring import Scorer
 from hetero_sd.scheduler import FixedDraftLength
+from hetero_sd.scheduler.mode import RequestMode
+from hetero_sd.scheduler.round import DraftLengthPolicy
 from hetero_sd.stats import GenerationStats
 from hetero_sd.stopping import StopChecker, TextStream
 
@@ -39,7 +42,7 @@ class Engine:
     def __init__(self, target, drafter: Drafter | None = None, k: int = 5, tokenizer=None,
                  eos_ids: tuple[int, ...] = (), max_new_tokens: int = 128, stop: tuple[str, ...] = (),
                  chat_template: bool = False, sampling: SamplingParams = SamplingParams(),
-                 fallback: Fallback | None = None, policy=None, replanner: Replanner | None = None, plan=None,
+                 fallback: Fallback | None = None, policy: DraftLengthPolicy | None = None, replanner: Replanner | None = None, plan=None,
                  constraint: Constraint | dict | None = None):
         fallback = fallback or NoFallback()
         self.target_runner = FailoverRunner(target, fallback)
@@ -47,8 +50,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.sampling = sampling  # the default for requests that do not pass their own
         # How far ahead to draft: FixedDraftLength, or an AdaptiveDraftLength
-        # (hetero_sd.scheduler) fed with acceptance and timings after each round.
-        self.policy = policy or FixedDraftLength(k)
+        # (hetero_sd.scheduler) fed with each round's record.
+        self.policy: DraftLengthPolicy = policy or FixedDraftLength(k)
         self.plan = plan  # the splitter's plan when placement was automatic
         self.eos_ids = set(eos_ids)
         self.max_new_tokens, self.stop, self.chat_template = max_new_tokens, list(stop), chat_template
@@ -62,18 +65,6 @@ class Engine:
     def target(self):
         """The live target runner (a failover's replacement once one happened)."""
         return self.target_runner.current
-
-    @property
-    def policy(self):
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy) -> None:
-        """A seeded sampled request drafts by a copy of the policy as assigned here (its
-        draft lengths must not follow the timings later requests teach it): to change
-        what such requests draft by, assign a policy (changes made to it in place reach
-        the other requests only)."""
-        self._policy, self._prior_policy = policy, copy.deepcopy(policy)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -214,7 +205,7 @@ class Engine:
         speculate False: target-only. concurrent: the request runs beside others (the
         batching server), so it drafts with a fork of the drafter and a copy of the
         draft-length policy (and target-only when the drafter cannot fork).
-        learn_timings False: the policy learns from acceptance alone. logprobs: each
+        learn_timings False: the policy learns from acceptance alone (RequestMode.timed). logprobs: each
         committed token's log-probability and this many top alternatives (None: off).
         A request that is not concurrent drafts with the engine's own drafter and
         policy: run one such request at a time (generate does), and concurrent=True
@@ -222,22 +213,9 @@ class Engine:
         budget = self.check_request(prompt_ids, max_new_tokens)
         params = self.sampling if sampling is None else sampling
         constraint = Constraint.of(constraint) or self.constraint
-        drafter, policy = None, self.policy
-        # a seeded sampled request's draft lengths decide how its random draws are used (unless
-        # every draft is one-hot: then its output is target-only sampling's, hetero_sd/sampling.py):
-        # they follow its own acceptance under the policy as assigned, never timings others taught
-        by_prior = params.seed is not None and not params.greedy and not (
-            self.drafter is not None and self.drafter.one_hot)
-        if speculate and self.drafter is not None and not concurrent:
-            drafter = self._drafter
-        elif speculate and concurrent and self.forks_drafter:
-            drafter = FailoverDrafter(self.drafter.fork(), NoFallback())
-        if drafter is not None and (concurrent or by_prior):
-            # a copy: learnt costs carried over (the prior alone when seeded), acceptance per request
-            policy = copy.deepcopy(self._prior_policy if by_prior else self.policy)
-            learn_timings = learn_timings and not by_prior
-        if drafter is not None:
-            policy.reset()  # acceptance is per request; learnt costs are kept
+        mode = RequestMode.of(params.greedy, params.seed, self.drafter is not None and self.drafter.one_hot,
+                              concurrent, learn_timings)
+        drafter, policy = self._drafting(speculate, mode)
         stats = GenerationStats(mode=drafter.name if drafter is not None else "target-only",
                                 prompt_tokens=len(prompt_ids), sampling=params.describe())
         history = TokenHistory(prompt_ids)
@@ -245,11 +223,26 @@ class Engine:
         guide = None if constraint is None else self._guide(constraint)  # a bad grammar fails here, before any token
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs asks for {logprobs} top tokens; allowed: 0..{MAX_TOP_LOGPROBS}")
-        req = Request(self.target_runner, drafter, policy, None if params.greedy else Sampler(params), stopper,
-                      stats, history, learn_timings, logprobs, params if params.penalized else None)
+        scorer = Scorer(None if params.greedy else Sampler(params, mode), params if params.penalized else None, logprobs)
+        req = Request(self.target_runner, drafter, policy, stopper, stats, scorer, mode)
         if guide is not None:
             req.constrain(guide, self.eos_ids, self.target_runner.vocab_size)
         return req
+
+    def _drafting(self, speculate: bool, mode: RequestMode):
+        """(the request's drafter or None, its draft-length policy), as its mode says
+        (scheduler/mode.py): the engine's own alone, a fork and a copy beside others."""
+        drafter, policy = None, self.policy
+        if speculate and self.drafter is not None and not mode.concurrent:
+            drafter = self._drafter
+        elif speculate and mode.concurrent and self.forks_drafter:
+            drafter = FailoverDrafter(self.drafter.fork(), NoFallback())
+        if drafter is not None and mode.own_policy:
+            # learnt costs carried over (the policy as constructed when pinned), acceptance per request
+            policy = self.policy.frozen() if mode.pinned else copy.deepcopy(self.policy)
+        if drafter is not None:
+            policy.reset()  # acceptance is per request; learnt costs are kept
+        return drafter, policy
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs

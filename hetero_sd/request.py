@@ -39,20 +39,13 @@ import numpy as np
 from hetero_sd.backends.base import BatchItem
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import FailoverDrafter, FailoverRunner
-from hetero_sd.ir.work import DraftRequest, TokenHistory, VerifyRequest
-from hetero_sd.sampling import Sampler, SamplingParams, accept_greedy, penalize
+from hetero_sd.ir.work import DraftRequest, VerifyRequest
+from hetero_sd.sampling import Sampler, accept_greedy
+from hetero_sd.scheduler.mode import FREE, RequestMode
+from hetero_sd.scheduler.round import DraftLengthPolicy, Round
+from hetero_sd.scoring import Scorer, TokenLogprob
 from hetero_sd.stats import GenerationStats
 from hetero_sd.stopping import StopChecker
-
-
-@dataclass
-class TokenLogprob:
-    """A committed token's log-probability under the target's distribution for its
-    position, after the request's sampling warps and grammar mask (the distribution
-    it was decided from), and the `top` most likely (token, log-probability) pairs."""
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -70,46 +63,51 @@ class GenerationResult:
 
 
 class Request:
-    """One request's state: its token history, the target's sequence and the
-    position the next step starts at, and how much of the history the drafter
-    has been told. Made by Engine.request."""
+    """One request's state: its stop checker (which holds the token history), the
+    target's sequence and the position the next step starts at, what the drafter has
+    been told (DraftFeed), how rows are scored (Scorer), its mode and the round in
+    flight. Made by Engine.request."""
 
-    def __init__(self, target: FailoverRunner, drafter: FailoverDrafter | None, policy, sampler: Sampler | None,
-                 stopper: StopChecker, stats: GenerationStats, history: TokenHistory, learn_timings: bool = True,
-                 logprobs: int | None = None, penalties: SamplingParams | None = None):
-        self.target, self.drafter, self.policy, self.sampler = target, drafter, policy, sampler
-        self.stopper, self.stats, self.history = stopper, stats, history
-        # Drafts are capped at the tokens still wanted, so no verify writes past
-        # position n + budget - 2: the prompt plus the budget always suffices.
-        self.capacity = min(len(history) + stopper.max_new_tokens, target.max_context)
+    def __init__(self, target: FailoverRunner, drafter: FailoverDrafter | None, policy: DraftLengthPolicy,
+                 stopper: StopChecker, stats: GenerationStats, scorer: Scorer, mode: RequestMode = FREE):
+        self.target, self.drafter, self.policy, self.scorer = target, drafter, policy, scorer
+        self.stopper, self.stats, self.mode = stopper, stats, mode  # (mode: scheduler/mode.py)
         self.started_at = time.perf_counter()
-        self.seq = target.allocate(self.capacity, history)
+        self.seq = target.allocate(self.capacity, self.history)
         self.pos = 0  # positions of the target's cache the next step starts at
-        self.told = 0  # tokens of the history the drafter has been told
-        self.constrainer = None  # hetero_sd.constraint.rounds.Constrainer when the output has a grammar
-        # Whether the draft-length policy learns from timings. Off, its choices
-        # depend on acceptance alone, so a seeded sampled request draws the same
-        # tokens whatever runs beside it (the batching server).
-        self.learn_timings = learn_timings
-        # The target's hidden states of rows whose next token is committed, not yet
-        # told to the drafter: a head drafter reads them (a target loaded with
-        # feature layers only when one is configured).
-        self.features: list | None = [] if drafter is not None and target.feature_layers else None
-        # logprobs: None, or how many top alternatives each committed token reports with its
-        # own log-probability; the rows of the latest scored call, as log-probabilities.
-        self.logprobs, self.token_logprobs = logprobs, ([] if logprobs is not None else None)
-        self._log_rows: np.ndarray | None = None
-        self.penalties = penalties  # SamplingParams whose penalties apply to every row scored (None: none)
-        self._step: VerifyRequest | None = None  # the step proposed and not yet accepted
-        self._step_at, self._step_draft_s, self._step_speculating = 0.0, None, False
-        self._step_lookup = False  # the step's drafts came from a lookup (DraftResult.lookup)
-        self._step_catch_up = 0.0  # of the step's draft seconds, taking in context (DraftResult.catch_up_s)
+        # what of the history (and of the target's hidden states, for a head) the drafter was told
+        self.feed = DraftFeed(drafter is not None and bool(target.feature_layers))
+        # the step proposed and not yet accepted, its round (None: a target-only round) and
+        # when the verify began
+        self._pending: tuple[VerifyRequest, Round | None, float] | None = None
 
     @property
-    def last_draft_s(self) -> float | None:
-        """Seconds the latest propose() spent drafting (None: it drafted nothing, or a
-        failover happened in the call)."""
-        return self._step_draft_s
+    def history(self):
+        """The request's one token history (TokenHistory), which its stop checker appends to."""
+        return self.stopper.history
+
+    @property
+    def capacity(self) -> int:
+        """Positions its target sequence holds. Drafts are capped at the tokens still wanted,
+        so no verify writes past position n + budget - 2: the prompt plus the budget suffices."""
+        return min(self.history.prompt_len + self.stopper.max_new_tokens, self.target.max_context)
+
+    @property
+    def sampler(self) -> Sampler | None:
+        return self.scorer.sampler
+
+    @property
+    def constrainer(self):
+        return self.scorer.constrainer
+
+    @property
+    def token_logprobs(self) -> list[TokenLogprob] | None:
+        return self.scorer.entries
+
+    @property
+    def round(self) -> Round | None:
+        """The record of the round proposed and not yet accepted (None: none, or target-only)."""
+        return self._pending[1] if self._pending is not None else None
 
     @property
     def tokens(self) -> list[int]:
@@ -119,7 +117,7 @@ class Request:
     def constrain(self, guide, eos_ids: set[int], model_vocab: int) -> None:
         from hetero_sd.constraint.rounds import Constrainer
 
-        self.constrainer = Constrainer(guide, eos_ids, self.stats, model_vocab)
+        self.scorer.constrainer = Constrainer(guide, eos_ids, self.stats, model_vocab)
 
     def run(self, cached: int = 0, after_commit: Callable[[], None] | None = None) -> None:
         """Prefill, then steps of propose, score, accept, until generation ends;
@@ -170,30 +168,37 @@ class Request:
         if self.pos >= self.capacity:  # no room to score another position
             self.stopper.reason = "context"
             return None
-        speculating = draft and self.speculating
-        # The recovered or bonus token is free: with r tokens left, r - 1 drafts suffice.
-        remaining, room = self.stopper.max_new_tokens - self.history.output_len - 1, self.capacity - self.pos - 1
-        k = min(self.policy.next_k(remaining), room) if speculating else 0
-        if k == 0 and speculating and alone and min(remaining, room) > 0 and self._free_row():
-            k = 1  # the padded call computes a second row anyway: a lookup's draft rides in it
-        # the first draft's row is free in a padded call: proposed even where the drafter is unsure
-        free = 1 if alone and self._padded_greedy() else 0
-        self._step_lookup, self._step_catch_up = False, 0.0
-        drafts, draft_probs, draft_s = self._draft(k, free) if k > 0 else ([], None, None)
+        rnd, k = self._start_round(alone) if draft and self.speculating else (None, 0)
+        drafts, draft_probs = self._draft(rnd, k) if k > 0 else ([], None)
+        if rnd is not None:
+            rnd.drafted = len(drafts)
         if self.constrainer is not None:
             self.constrainer.prepare(drafts)
-        self._step = VerifyRequest(self.seq, self.pos, [self.history.ids[-1]] + drafts, draft_probs)
-        self._step_at, self._step_draft_s, self._step_speculating = time.perf_counter(), draft_s, speculating
-        return self._step
+        step = VerifyRequest(self.seq, self.pos, [self.history.ids[-1]] + drafts, draft_probs)
+        self._pending = (step, rnd, time.perf_counter())
+        return step
+
+    def _start_round(self, alone: bool) -> tuple[Round, int]:
+        """A speculative round's record (the policy's k, a padded call's free row, the
+        policy's prices for a greedy request) and the drafts to ask the drafter for."""
+        # The recovered or bonus token is free: with r tokens left, r - 1 drafts suffice.
+        remaining, room = self.stopper.max_new_tokens - self.history.output_len - 1, self.capacity - self.pos - 1
+        rnd = Round(asked=self.policy.next_k(remaining))
+        k = min(rnd.asked, room)
+        if k == 0 and alone and min(remaining, room) > 0 and self._free_row():
+            k = 1  # the padded call computes a second row anyway: a lookup's draft rides in it
+        # the first draft's row is free in a padded call: proposed even where the drafter is unsure
+        rnd.free_rows = 1 if alone and self._padded_greedy() else 0
+        rnd.prices = self.policy.draft_prices() if self.mode.priced and k > 0 else None
+        return rnd, k
 
     def _free_row(self) -> bool:
         """Whether a one-token draft rides free: the target pads a one-token call to two
-        rows anyway, the drafter is a lookup, and the request is greedy (a seeded sample's
-        draft lengths follow its acceptance alone, whatever runs beside it)."""
+        rows anyway, the drafter is a lookup, and the mode prices the request (RequestMode.priced)."""
         return self._padded_greedy() and self.drafter.model_free
 
     def _padded_greedy(self) -> bool:
-        return self.greedy and self.target.pads_single_row
+        return self.mode.priced and self.target.pads_single_row
 
     def score(self, step: VerifyRequest):
         """The target alone scores the step's rows (greedy ids, or float64
@@ -207,30 +212,19 @@ class Request:
     def score_logits(self, logits):
         """What score() returns, from the target's logits for this request's rows
         (a batched forward's share)."""
-        if self.penalties is not None:
-            step = self._step
-            logits = penalize(logits, self.penalties, self.history.ids[:self.history.prompt_len],
-                              self.history.output, step.drafts if step is not None else [])
-        if self.constrainer is not None:
-            logits = self.constrainer.apply(logits)
-        if self.sampler is None:
-            if self.logprobs is not None:
-                self._log_rows = _log_softmax(logits)
-            return [int(i) for i in logits.argmax(-1)]
-        probs = self.sampler.probs(logits)
-        if self.logprobs is not None:
-            with np.errstate(divide="ignore"):  # a token the warps removed: log 0 = -inf
-                self._log_rows = np.log(probs)
-        return probs
+        step, history = self._pending[0] if self._pending is not None else None, self.history
+        return self.scorer.score(logits, history.ids[:history.prompt_len], history.output,
+                                 step.drafts if step is not None else [])
 
     def accept(self, step: VerifyRequest, scored, verify_s: float | None = None) -> bool:
         """Accept against the target's scores for the step's rows and commit (the
         target's cache rolls back to the committed length); True when generation is
         over. verify_s: this request's share of a batched call (default: the time
         since propose)."""
-        if step is not self._step:
+        if self._pending is None or step is not self._pending[0]:
             raise GenerationError("accept() takes the step this request's last propose() returned")
-        self._step = None
+        _, rnd, began = self._pending
+        self._pending = None
         drafts = step.drafts
         if self.sampler is None:
             accepted, tokens = accept_greedy(drafts, scored)
@@ -238,17 +232,14 @@ class Request:
             accepted, tokens = self.sampler.accept(drafts, scored, step.draft_probs, self.history.output_len)
         self.target.truncate(self.seq, self.pos + accepted + 1)  # rollback: a length change
         self._keep_features(accepted + 1)  # the rows of the last committed token and the accepted drafts
-        self._account(len(drafts), accepted,
-                      time.perf_counter() - self._step_at if verify_s is None else verify_s)
+        self._account(rnd, len(drafts), accepted, time.perf_counter() - began if verify_s is None else verify_s)
         return self._commit(tokens)
 
     def set_round_cost(self, cost) -> None:
         """Price this request's rounds (a batching server's RoundCost for its batch).
-        A sampled request keeps its policy's prior, so its draft lengths follow
-        acceptance alone and a seed reproduces whatever runs beside it. A request
-        that does not speculate has no policy of its own to price (it may share
-        the engine's)."""
-        if self.sampler is None and self.drafter is not None:
+        Only where the mode prices its rounds (scheduler/mode.py); a request that
+        does not speculate has no policy of its own to price (it may share the engine's)."""
+        if self.mode.priced and self.drafter is not None:
             self.policy.set_cost(cost)
 
     def close(self, release: bool = True) -> GenerationResult:
@@ -268,55 +259,43 @@ class Request:
 
     # ------------------------------------------------------------ inside the phases
     def _scored(self, tokens: list[int], start: int, n: int):
-        if self.constrainer is None and self.sampler is None and self.logprobs is None and self.penalties is None:
+        if self.scorer.plain:
             return self.target.greedy(self.seq, tokens, start, n)
         return self.score_logits(self.target.forward(self.seq, tokens, start, n))
 
     def _keep_features(self, rows: int) -> None:
         """Keep the first `rows` rows of the target's features from its latest call on this sequence."""
-        if self.features is None:
-            return
-        got = self.target.take_features(self.seq)
-        if got is None:  # (a failover replayed the sequence: the drafter goes without these rows)
-            self.features.clear()
-        else:
-            self.features.append(got[:rows])
+        if self.feed.features is not None:
+            self.feed.keep(self.target.take_features(self.seq), rows)
 
-    def _draft(self, k: int, free: int = 0):
-        """(drafts, their distributions or None, seconds); `free`: DraftRequest.free_rows."""
-        ids = self.history.ids
-        req = DraftRequest(self.seq, self.told, k, ids[self.told:], context=ids, free_rows=free,
-                           prices=self.policy.draft_prices() if self.greedy else None)
-        if self.features:
-            req.features = self.features[0] if len(self.features) == 1 else np.concatenate(self.features)
-            self.features.clear()
+    def _draft(self, rnd: Round, k: int):
+        """(drafts, their distributions or None); the drafter fills its part of the round."""
+        req = self.feed.request(self.seq, self.history.ids, k)
         t0 = time.perf_counter()
-        proposal = self.drafter.draft(req)
-        seconds = time.perf_counter() - t0
-        self.stats.draft_s += seconds
+        proposal = self.drafter.draft(req, rnd)
+        rnd.draft_s = time.perf_counter() - t0
+        self.stats.draft_s += rnd.draft_s
         if self._take_events():  # a failover in this call: its time is not a draft cost
-            seconds = None
-        self.told = len(ids)
-        self._step_lookup, self._step_catch_up = proposal.lookup, proposal.catch_up_s
+            rnd.draft_s = None
         drafts = proposal.tokens[:k]
         probs = None if proposal.probs is None else proposal.probs[:len(drafts)]
         if self.constrainer is not None:
             drafts, probs = self.constrainer.cut(drafts, probs, k)
-        return list(drafts), probs, seconds
+        return list(drafts), probs
 
-    def _account(self, drafted: int, accepted: int, verify_s: float) -> None:
-        stats, draft_s = self.stats, self._step_draft_s
+    def _account(self, rnd: Round | None, drafted: int, accepted: int, verify_s: float) -> None:
+        stats = self.stats
         stats.verify_s += verify_s
         stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, \
             stats.accepted + accepted
         stats.count_positions(drafted, accepted)
-        if self._take_events() or not self.learn_timings:  # a target swap in the verify: its time teaches no cost
-            draft_s = verify_s = None
-        if self._step_lookup:  # a hybrid's lookup round: no draft step was taken to price
-            draft_s = None
-        if self._step_speculating:  # (target-only rounds feed no policy)
-            self.policy.observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s, catch_up_s=self._step_catch_up)
-            self.drafter.observe(drafted, accepted)
+        swapped = self._take_events()  # a target swap in the verify: its time teaches no cost
+        if rnd is None:  # (target-only rounds feed no policy)
+            return
+        rnd.drafted, rnd.accepted, rnd.verify_s = drafted, accepted, verify_s
+        rnd.learnt = not swapped and self.mode.learns_timings
+        self.policy.observe(rnd)
+        self.drafter.observe(drafted, accepted)
 
     def _take_events(self) -> list[str]:
         events = self.target.take_events() + (self.drafter.take_events() if self.drafter is not None else [])
@@ -330,8 +309,8 @@ class Request:
         generation is over."""
         con = self.constrainer
         for i, token in enumerate(tokens):
-            if self.token_logprobs is not None and token not in self.stopper.eos_ids:
-                self.token_logprobs.append(self._logprob(i, token))
+            if token not in self.stopper.eos_ids:
+                self.scorer.record(i, token)
             if con is not None and token not in self.stopper.eos_ids and con.commit(token):
                 # The language ended: stop where target-only would. A stop string this
                 # token completes keeps its reason (the text is cut there).
@@ -344,22 +323,31 @@ class Request:
         return False
 
 
-    def _logprob(self, row: int, token: int) -> TokenLogprob:
-        """Token `token`'s entry from row `row` of the latest scored call (the row that decided it)."""
-        lp = self._log_rows[row]
-        top = []
-        if self.logprobs:
-            best = np.argpartition(-lp, self.logprobs - 1)[:self.logprobs]
-            best = best[np.lexsort((best, -lp[best]))]  # most likely first; ties by id
-            top = [(int(t), float(lp[t])) for t in best]
-        return TokenLogprob(int(token), float(lp[token]), top)
+class DraftFeed:
+    """What the drafter has been told: the history's first `told` tokens, and the target's
+    hidden states of rows whose next token is committed, not yet sent (a head drafter
+    reads them; None where no drafter reads features)."""
 
+    def __init__(self, features: bool):
+        self.told = 0
+        self.features: list | None = [] if features else None
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of float32 logits rows (a masked -inf stays -inf)."""
-    x = logits.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+    def keep(self, got, rows: int) -> None:
+        """The first `rows` rows of the target's latest features (None: a failover replayed
+        the sequence, and the drafter goes without these rows)."""
+        if got is None:
+            self.features.clear()
+        else:
+            self.features.append(got[:rows])
+
+    def request(self, seq: int, ids: list[int], k: int) -> DraftRequest:
+        """The next draft request: the tokens committed since the last one, and the features kept."""
+        req = DraftRequest(seq, self.told, k, ids[self.told:], context=ids)
+        if self.features:
+            req.features = self.features[0] if len(self.features) == 1 else np.concatenate(self.features)
+            self.features.clear()
+        self.told = len(ids)
+        return req
 
 
 __all__ = ["GenerationResult", "Request", "TokenLogprob"]

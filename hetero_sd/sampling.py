@@ -179,21 +179,21 @@ class Sampler:
     """The per-request sampling state: params, the per-position uniforms and the two
     random streams (module docstring)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, mode=None):
         if params.greedy:
             raise ValueError("a Sampler is for temperature > 0; greedy decoding needs none")
+        from hetero_sd.scheduler.mode import RequestMode
+
         self.params = params
+        # how the request stands to others (scheduler/mode.py), for the drafters that read it;
+        # by default as a seeded request's alone, with drafts that carry distributions
+        self.mode = mode or RequestMode.of(False, params.seed, one_hot=False, concurrent=False)
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
         draft_seq, accept_seq, position_seq = np.random.SeedSequence(seed).spawn(3)
         self.draft_rng = np.random.default_rng(draft_seq)
         self.accept_rng = np.random.default_rng(accept_seq)
         self._position_rng = np.random.default_rng(position_seq)
         self._uniforms = np.empty(0)
-
-    @property
-    def seeded(self) -> bool:
-        """The request gave a seed: its run must reproduce (module docstring)."""
-        return self.params.seed is not None
 
     def uniform(self, position: int) -> float:
         """u_t for output position t: the stream's t-th draw, whatever was drawn before."""

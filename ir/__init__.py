@@ -6,7 +6,6 @@ from hetero_sd.ir.work import (
     DraftRequest,
     DraftResult,
     VerifyRequest,
-    VerifyResult,
 )
 
 
@@ -22,5 +21,5 @@ def __getattr__(name):
 
 __all__ = [
     "ModelConfig", "ModelIR", "ModelLoadError", "load_model_ir", "reference_logits",
-    "MAX_DRAFT_TOKENS", "DraftRequest", "DraftResult", "VerifyRequest", "VerifyResult",
+    "MAX_DRAFT_TOKENS", "DraftRequest", "DraftResult", "VerifyRequest",
 ]

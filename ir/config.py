@@ -1,7 +1,7 @@
 """Hardware-neutral hyper-parameters of a decoder-only model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,3 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache footprint of one position, all layers, K and V."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def with_layers(self, num_layers: int) -> "ModelConfig":
-        return replace(self, num_layers=num_layers)

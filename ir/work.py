@@ -19,7 +19,7 @@ sampler; hetero_sd/sampling.py and the request object use these words):
     bonus      the target's extra token after the last draft when every draft
                was accepted (drawn from, or the argmax of, p at that row).
     committed  accepted drafts plus the one recovered or bonus token: what a
-               step appends to the history (VerifyResult.tokens).
+               step appends to the history.
     rollback   the target's cache keeps the committed positions only, a length
                change (Runner.truncate), never a copy.
 
@@ -116,14 +116,6 @@ class DraftRequest(_Record):
     # Sequence[int], read-only: base_len + len(new_tokens) tokens, the context to
     # draft after. In-process only; a drafter sent only the delta rebuilds it (Drafter.context_for).
     context: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
-    # The first free_rows drafts ride in rows the target computes anyway (a one-token
-    # call padded to two rows, backends/row_check.py): a drafter proposes them even
-    # where it is unsure (a min_prob does not apply to them). In-process only.
-    free_rows: int = field(default=0, kw_only=True, compare=False, metadata={"wire": False})
-    # What each draft's verify row and a draft step cost (DraftPrices), for a greedy draft
-    # model whose drafts stop where they no longer pay (min_prob: auto); None: no prices
-    # (a sampled request, or a policy that knows no costs). In-process only.
-    prices: object = field(default=None, kw_only=True, compare=False, repr=False, metadata={"wire": False})
 
 
 @dataclass(frozen=True)
@@ -150,16 +142,6 @@ class DraftResult(_Record):
     # [len(tokens), vocab] float64 draft distributions q, sampling with a draft model only;
     # None for greedy or deterministic (n-gram) drafts. Not packed: it goes through the arena.
     probs: object = field(default=None, compare=False, repr=False, metadata={"wire": False})
-    # The drafts came from a lookup inside a drafter that also runs a model (a hybrid's
-    # suffix round): the round's time says nothing of what a draft step costs, so it does
-    # not price the next rounds' draft steps (min_prob: auto). In-process only.
-    lookup: bool = field(default=False, kw_only=True, compare=False, metadata={"wire": False})
-    # Seconds of the call that took in context the drafter had not drafted (a draft model's
-    # prompt, a copy a hybrid's lookup served, a head's features of either) together with
-    # the first draft: a one-off, so it does not price the draft steps of later rounds (the
-    # policy prices the rest; drafting/model.py CatchUpClock, drafting/head.py). Not in the packed
-    # record: a worker's reply header carries it (drafting/wire.py).
-    catch_up_s: float = field(default=0.0, kw_only=True, compare=False, metadata={"wire": False})
 
 
 @dataclass
@@ -180,14 +162,6 @@ class VerifyRequest(_Record):
     @property
     def drafts(self) -> list[int]:
         return self.tokens[1:]
-
-
-@dataclass
-class VerifyResult(_Record):
-    KIND = 4
-    seq_id: int
-    accepted: int  # number of draft tokens kept, 0..n_draft
-    tokens: list[int] = field(default_factory=list)  # [accepted + 1] committed ids: accepted + recovered/bonus
 
 
 # RunnerCall ops

@@ -1,20 +1,18 @@
-"""How far ahead to draft: a policy fed with acceptance (and timings) after each round.
+"""How far ahead to draft: a policy fed with each round's record.
 
-The contract, which every policy has: `next_k`, `observe`, `reset`,
-`set_cost(RoundCost)` (the cost of a round as a batching server prices it; a
-fixed k ignores it) and `draft_prices()` (what a draft's verify row and a draft
-step cost, for a draft model that stops where drafts no longer pay; None where
-the policy knows no costs). The engine calls `next_k(remaining)` before each round and
-`observe(drafted, accepted, draft_s, verify_s, catch_up_s)` after its verify, where
-drafted is how many drafts the target actually verified (the n-gram drafter
-may return fewer than asked, or none), accepted how many of them it kept,
-and the optional timings are the seconds the drafter and the verify took
-(catch_up_s: the part of the draft's that took in context it had not drafted,
-DraftResult.catch_up_s, which does not price later draft steps).
-Policies are deterministic functions of those observations: no clock, no
-randomness inside. They are plain data a deep copy duplicates: the engine keeps
-a copy as assigned, which seeded sampled requests draft by, and a batching
-server gives each request a copy.
+The contract is DraftLengthPolicy (scheduler/round.py): `next_k`, `observe(Round)`,
+`reset`, `set_cost(RoundCost)` (the cost of a round as a batching server prices
+it; a fixed k prices drafts by it only), `draft_prices()` and `frozen()`. The
+request calls `next_k(remaining)` before each speculative round and
+`observe(round)` after its verify: round.drafted is how many drafts the target
+actually verified (the n-gram drafter may return fewer than asked, or none),
+round.accepted how many of them it kept, and its timings what the drafter and
+the verify took (catch_up_s: the part of the draft's that took in context it
+had not drafted, which does not price later draft steps). Both policies learn
+costs from those timings alike (LearntCosts). Policies are deterministic
+functions of the rounds: no clock, no randomness inside. They are plain data a
+deep copy duplicates: a batching server gives each request a copy, and a pinned
+request (scheduler/mode.py) drafts by `frozen()`.
 """
 from __future__ import annotations
 
@@ -25,13 +23,36 @@ from dataclasses import dataclass, replace
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftPrices
 from hetero_sd.scheduler.acceptance import AcceptanceTracker
 from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
+from hetero_sd.scheduler.round import Round
 
 
 REPRICE_EVERY = 4  # rounds between a fixed k's draft prices
 
 
+class LearntCosts:
+    """What a policy learns from rounds' timings, the same for every policy: the verify
+    and draft cost curves (OnlineCurve) and the achieved rate (AchievedRate)."""
+
+    _verify: "OnlineCurve"
+    _draft: "OnlineCurve"
+    _rate: "AchievedRate"
+
+    def _learn(self, rnd: Round, draft_steps: int) -> bool:
+        """Learn from the round's timings (draft_steps: the draft steps its draft time
+        covers); True when its verify was timed."""
+        draft_s, verify_s = rnd.priced_draft_s, rnd.timed_verify_s
+        if draft_s is not None and draft_steps > 0:
+            observe_draft(self._draft, draft_steps, draft_s, rnd.catch_up_s)
+        if verify_s is None:
+            return False
+        self._verify.observe(rnd.drafted + 1, verify_s)
+        self._rate.observe(rnd.accepted + 1, round_seconds(verify_s, draft_s, rnd.catch_up_s, self._draft.step_s()),
+                           self._verify(1))
+        return True
+
+
 @dataclass
-class FixedDraftLength:
+class FixedDraftLength(LearntCosts):
     """Always propose k tokens (bounded by what is left to generate). It learns what
     rounds cost from their timings only to price drafts (draft_prices) for a draft
     model that stops where drafts no longer pay (min_prob: auto); k itself never moves."""
@@ -48,19 +69,16 @@ class FixedDraftLength:
     def next_k(self, remaining: int) -> int:
         return max(0, min(self.k, remaining))
 
-    def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
-                verify_s: float | None = None, catch_up_s: float = 0.0) -> None:
+    def observe(self, rnd: Round) -> None:
         """Acceptance does not change k; the timings price the next rounds' drafts
         (a draft model's round makes about one draft step per proposed draft)."""
-        if draft_s is not None and drafted:
-            observe_draft(self._draft, drafted, draft_s, catch_up_s)
-        if verify_s is not None:
-            self._verify.observe(drafted + 1, verify_s)
-            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s, self._draft.step_s()),
-                               self._verify(1))
+        self._learn(rnd, rnd.drafted)
         self._rounds += 1
         if self._rounds % REPRICE_EVERY == 0:  # (costs move slowly; pricing is ~50 us)
             self._prices = None
+
+    def frozen(self) -> "FixedDraftLength":
+        return FixedDraftLength(self.k, self.cost)
 
     def reset(self) -> None:
         """A new request: costs are the placement's and are kept."""
@@ -78,7 +96,7 @@ class FixedDraftLength:
 
 def observe_draft(curve: "OnlineCurve", steps: int, draft_s: float, catch_up_s: float) -> None:
     """Price a round's draft steps by its draft time, less the first call where it took
-    in context the drafter had not drafted (DraftResult.catch_up_s: a one-off, the
+    in context the drafter had not drafted (Round.catch_up_s: a one-off, the
     first draft step inside it); a round that was all catch-up prices nothing."""
     if catch_up_s > 0:
         steps, draft_s = steps - 1, max(0.0, draft_s - catch_up_s)
@@ -231,7 +249,7 @@ def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
     return [m for m, _, size in blocks for _ in range(size)]
 
 
-class AdaptiveDraftLength:
+class AdaptiveDraftLength(LearntCosts):
     """Acceptance-driven k in 0..k_max, per request.
 
     alpha: the posterior mean of a Beta(prior) over per-token acceptance, with
@@ -259,6 +277,10 @@ class AdaptiveDraftLength:
                  position_weight: float = 4.0, redecide_every: int = 4):
         if not 1 <= k_max <= MAX_DRAFT_TOKENS:
             raise ValueError(f"k_max must be in 1..{MAX_DRAFT_TOKENS}, got {k_max}")
+        self._built = dict(k_max=k_max, cost=cost, prior_alpha=prior_alpha, prior_weight=prior_weight, decay=decay,
+                           probe_every=probe_every, max_probe_every=max_probe_every, explore_every=explore_every,
+                           hit_smoothing=hit_smoothing, position_weight=position_weight,
+                           redecide_every=redecide_every)  # (frozen())
         if not 0 < prior_alpha < 1 or prior_weight <= 0 or not 1 <= probe_every <= max_probe_every:
             raise ValueError("need 0 < prior_alpha < 1, prior_weight > 0 and 1 <= probe_every <= max_probe_every")
         self.k_max = k_max
@@ -281,10 +303,13 @@ class AdaptiveDraftLength:
         self.probe_every = self.base_probe_every
         self._off_rounds = self._on_rounds = 0
         self._probe_tries = 0  # > 0 while a probe waits for a round that has drafts
-        self._asked: int | None = None
         self._choice: int | None = None  # cached decision; None = recompute
         self._prices: DraftPrices | None = None  # cached with the decision
         self._stale = 0  # rounds since the cached decision was made
+
+    def frozen(self) -> "AdaptiveDraftLength":
+        """The policy as constructed: its prior costs, nothing learnt."""
+        return AdaptiveDraftLength(**self._built)
 
     @property
     def alpha(self) -> float:
@@ -333,7 +358,6 @@ class AdaptiveDraftLength:
 
     def next_k(self, remaining: int) -> int:
         if remaining <= 0:
-            self._asked = 0
             return 0
         k = self._decide()
         if k > 0:
@@ -346,24 +370,17 @@ class AdaptiveDraftLength:
             if self._probe_tries or self._off_rounds >= self.probe_every:
                 k = self._probe_k()
                 self._probe_tries += 1
-        self._asked = min(k, remaining)
-        return self._asked
+        return min(k, remaining)
 
-    def observe(self, drafted: int, accepted: int, draft_s: float | None = None,
-                verify_s: float | None = None, catch_up_s: float = 0.0) -> None:
-        asked = drafted if self._asked is None else max(self._asked, drafted)
-        self._asked = None
+    def observe(self, rnd: Round) -> None:
+        drafted, accepted = rnd.drafted, rnd.accepted
+        asked = max(rnd.asked, drafted)
         self._acceptance.observe(drafted, accepted)  # validates; a round without drafts is no evidence
         if asked == 0:  # speculation off: let old evidence fade so a probe can turn it back on
             self._acceptance.age()
         if asked > 0:  # how often the drafter finds anything (n-gram misses)
             self.hit_rate += self.hit_smoothing * ((1.0 if drafted else 0.0) - self.hit_rate)
-            if draft_s is not None:
-                observe_draft(self._draft, asked, draft_s, catch_up_s)
-        if verify_s is not None:
-            self._verify.observe(drafted + 1, verify_s)
-            self._rate.observe(accepted + 1, round_seconds(verify_s, draft_s, catch_up_s, self._draft.step_s()),
-                               self._verify(1))
+        if self._learn(rnd, asked):
             self._timed = True
         # Re-decide on new acceptance evidence, else every `redecide_every`
         # rounds: most rounds of an open-ended prompt find no n-gram match and

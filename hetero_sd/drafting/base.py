@@ -7,7 +7,9 @@ history, read, never copied); a drafter in another process is sent the delta
 
     required  name                              shown in stats and events
               begin(capacity, sampler, guide)   start a sequence
-              draft(DraftRequest) -> DraftResult
+              draft(DraftRequest, Round) -> DraftResult
+                                                (the round's record, scheduler/round.py: it reads
+                                                free_rows and prices, fills catch_up_s and lookup)
               reset()                           forget the sequence (end of a request)
     optional, declared here with their defaults (never probed for):
               can_fork + fork()                 an independent drafter for another concurrent
@@ -38,6 +40,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 
 
 class Drafter(ABC):
@@ -62,8 +65,10 @@ class Drafter(ABC):
         it) or ignore it: the engine cuts drafts the grammar refuses."""
 
     @abstractmethod
-    def draft(self, req: DraftRequest) -> DraftResult:
-        """Up to req.k tokens after the context the request describes (may be none)."""
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
+        """Up to req.k tokens after the context the request describes (may be none).
+        rnd: the round's record, whose drafter's part this fills (None: a call outside a
+        round, as a test or a worker's drafting ahead makes: `round_of` gives a blank one)."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -105,6 +110,11 @@ class Drafter(ABC):
 
     def forget_context(self) -> None:
         self._view, self._owns_view = None, False
+
+
+def round_of(rnd: Round | None) -> Round:
+    """The round a draft call fills (a blank one for a call outside a round)."""
+    return rnd if rnd is not None else Round()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

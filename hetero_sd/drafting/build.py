@@ -41,9 +41,7 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, NgramSpec):
         return NgramDrafter(spec.min_ngram, spec.max_ngram)
     if isinstance(spec, SuffixSpec):
-        # alone its drafts are one-hot, so a seeded sample is target-only sampling's whatever
-        # it drafts (hetero_sd/sampling.py): earlier requests' outputs may draft for it too
-        return SuffixDrafter(**_suffix_args(spec, target_vocab), global_for_seeded=True)
+        return SuffixDrafter(**_suffix_args(spec, target_vocab))
     if isinstance(spec, ModelSpec):
         if spec.translate is not None:
             return cross_vocab_drafter(spec, target_vocab, load)
@@ -54,9 +52,7 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, HybridSpec):
         # a draft model's min_prob bounds its drafts; a head's weak rounds are gated by its rate
         gate = None if isinstance(spec.head, ModelSpec) else HEAD_MIN_RATE
-        # (not for a seeded sample: which rounds its lookup serves decides the head's or
-        # draft model's rounds, whose drafts decide how the sample's draws are used)
-        suffix = SuffixDrafter(**_suffix_args(spec.suffix, target_vocab), global_for_seeded=False)
+        suffix = SuffixDrafter(**_suffix_args(spec.suffix, target_vocab))
         return HybridDrafter(suffix, build_drafter(spec.head, target_vocab, load), spec.min_match, gate)
     if isinstance(spec, CascadeSpec):
         inner = build_drafter(spec.inner, target_vocab, load)

@@ -79,7 +79,7 @@ class CascadeDrafter(Drafter):
         self._inner_live = False
         self.forget_context()
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd=None) -> DraftResult:
         if self._seq is None:
             raise RuntimeError("CascadeDrafter.begin must be called before draft")
         context = self.context_for(req)

@@ -27,10 +27,11 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.base import Drafter, round_of
 from hetero_sd.drafting.model import CatchUpClock, DraftStop, greedy_prob, sync_cache
 from hetero_sd.ir.errors import ConfigError, KVBudgetError
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 from hetero_sd.sampling import draw
 
 LOOKBEHIND = 3  # committed target tokens re-tokenized with the draft's text
@@ -185,7 +186,8 @@ class CrossVocabDrafter(Drafter):
             self._seq = self.runner.allocate(want)
         self._capacity, self._sampler = want, sampler
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
+        rnd = round_of(rnd)
         if self._seq is None:
             raise RuntimeError("CrossVocabDrafter.begin must be called before draft")
         context = self.context_for(req)
@@ -197,11 +199,12 @@ class CrossVocabDrafter(Drafter):
         feed = sync_cache(self.runner, self._seq, self._cached, ids)
         clock = CatchUpClock(len(feed))
         if self._sampler is None:
-            drafted = self._greedy(feed, req.k, DraftStop(self.min_prob, req), clock)
-            return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None,
-                               catch_up_s=clock.seconds)
+            drafted = self._greedy(feed, req.k, DraftStop(self.min_prob, rnd), clock)
+            rnd.catch_up_s = clock.seconds
+            return DraftResult(req.seq_id, self.bridge.target_continuation(context, drafted)[:req.k], None)
         tokens, probs = self._intersection(feed, req.k, clock)
-        return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None, catch_up_s=clock.seconds)
+        rnd.catch_up_s = clock.seconds
+        return DraftResult(req.seq_id, tokens, np.stack(probs) if probs else None)
 
     def _greedy(self, feed: list[int], k: int, stop: DraftStop, clock: CatchUpClock) -> list[int]:
         """Up to k draft tokens, as far as the stop rule goes (model.DraftStop)."""

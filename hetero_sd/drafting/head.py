@@ -21,9 +21,10 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.base import Drafter, round_of
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 
 
 class HeadDrafter(Drafter):
@@ -63,7 +64,7 @@ class HeadDrafter(Drafter):
         self._drafted = 0  # drafts the last draft call proposed (0: a round another drafter served)
         self._sampler = self._guide = None
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
         """Drafts up to req.k tokens; k = 0 only takes in the context and features (a hybrid
         drafter's round that another drafter serves): they run with the next real draft."""
         if not self._ready:
@@ -88,7 +89,8 @@ class HeadDrafter(Drafter):
             self._drafted = 0
             return DraftResult(req.seq_id, [])  # no features for the newest position: nothing to draft from
         result = self._draft(req.seq_id, req.k, n - 1)
-        self._drafted, result.catch_up_s = len(result.tokens), catch_up_s
+        self._drafted = len(result.tokens)
+        round_of(rnd).catch_up_s = catch_up_s
         return result
 
     def _stash(self, features, kept: int, n: int) -> None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 
-from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.base import Drafter, round_of
 from hetero_sd.drafting.suffix import SuffixDrafter
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 
 
 EXPLORE = 64  # one round in this many tries a head below the bar, to keep its average current
@@ -48,7 +49,7 @@ class HybridDrafter(Drafter):
         self.rate = dict(GATE_START)
         self._last: str | None = None
         self._rounds = 0
-        self._engine_gate = None  # (rate, rounds) set aside while a seeded request gates on its own
+        self._engine_gate = None  # (rate, rounds) set aside while a pinned request gates on its own
 
     def fork(self) -> "HybridDrafter":
         clone = copy.copy(self)  # (drafters are constructed in drafting.build alone)
@@ -62,9 +63,9 @@ class HybridDrafter(Drafter):
         self._restore_gate()
         self.suffix.begin(capacity, sampler, guide)
         self.head.begin(capacity, sampler, guide)
-        # A seeded sampled request's picks decide how its random draws are used, so they must
-        # not follow earlier requests: it gates on running rates of its own, from the start.
-        if sampler is not None and sampler.seeded:
+        # A pinned request's picks decide how its random draws are used, so they must not
+        # follow earlier requests: it gates on running rates of its own (scheduler/mode.py).
+        if sampler is not None and sampler.mode.pinned:
             self._engine_gate = (self.rate, self._rounds)
             self.rate, self._rounds = dict(GATE_START), 0
 
@@ -77,29 +78,30 @@ class HybridDrafter(Drafter):
         self.suffix.reset()
         self.head.reset()
 
-    def draft(self, req: DraftRequest) -> DraftResult:
-        found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens, context=req.context,
-                                                free_rows=req.free_rows))
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
+        rnd = round_of(rnd)
+        found = self.suffix.draft(DraftRequest(req.seq_id, req.base_len, req.k, req.new_tokens, context=req.context),
+                                  rnd)
         self._rounds += 1
         if found.tokens and self.suffix.match_len >= self.min_match:
-            return self._skip_head(req, found, None)
+            return self._skip_head(req, rnd, found, None)
         head = self.rate["head"]
         worth = self.min_head_rate is None or (
             head >= self.min_head_rate and (not found.tokens or head >= self.rate["short"]))
         if worth or self._rounds % EXPLORE == 0:
             self.picks["head"] += 1
             self._last = "head"
-            return self.head.draft(req)
-        return self._skip_head(req, found, "short")
+            return self.head.draft(req, rnd)
+        return self._skip_head(req, rnd, found, "short")
 
-    def _skip_head(self, req: DraftRequest, found: DraftResult, kind: str | None) -> DraftResult:
+    def _skip_head(self, req: DraftRequest, rnd: Round, found: DraftResult, kind: str | None) -> DraftResult:
         """The suffix drafter's proposal (maybe none); the head only takes in the round (k = 0):
         its features run with its next draft."""
         self.head.draft(DraftRequest(req.seq_id, req.base_len, 0, req.new_tokens, features=req.features,
                                      context=req.context))
         if found.tokens:
             self.picks["suffix"] += 1
-            found.lookup = True  # microseconds: not what a head's or model's draft step costs
+            rnd.lookup = True  # microseconds: not what a head's or model's draft step costs
         self._last = kind if found.tokens else None
         return found
 

@@ -17,9 +17,10 @@ from contextlib import nullcontext
 import numpy as np
 
 from hetero_sd.backends.base import Runner
-from hetero_sd.drafting.base import Drafter, common_prefix
+from hetero_sd.drafting.base import Drafter, common_prefix, round_of
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 
 
 class ModelDrafter(Drafter):
@@ -58,7 +59,8 @@ class ModelDrafter(Drafter):
     def _sync(self, context) -> list[int]:
         return sync_cache(self.runner, self._seq, self._cached, context)
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
+        rnd = round_of(rnd)
         context = self.context_for(req)
         if self._seq is None:
             raise RuntimeError("ModelDrafter.begin must be called before draft")
@@ -66,7 +68,7 @@ class ModelDrafter(Drafter):
         clock = CatchUpClock(len(feed))
         # The guide is the engine's: the walk over the drafts is undone on the way out.
         with self._guide.walking() if self._guide is not None else nullcontext() as step:
-            stop = DraftStop(self.min_prob, req)
+            stop = DraftStop(self.min_prob, rnd)
             for i in range(req.k):
                 token, q, sure = self._next(feed, stop, i)
                 clock.first_call_done()
@@ -87,7 +89,8 @@ class ModelDrafter(Drafter):
                         break
                 if not sure:  # (the stop rule: what would follow is not worth a draft step)
                     break
-        return DraftResult(req.seq_id, out, np.stack(probs) if probs else None, catch_up_s=clock.seconds)
+        rnd.catch_up_s = clock.seconds
+        return DraftResult(req.seq_id, out, np.stack(probs) if probs else None)
 
     def _next(self, feed: list[int], stop: "DraftStop", i: int):
         """Draft i: the token, the q it was drawn from (None when greedy), and whether
@@ -134,7 +137,7 @@ CATCH_UP = 4
 
 class CatchUpClock:
     """The seconds of a round's first draft call where its feed was long (> CATCH_UP):
-    DraftResult.catch_up_s. Taking in a prompt or a long copy is a one-off; priced
+    Round.catch_up_s. Taking in a prompt or a long copy is a one-off; priced
     as a draft step it made a 0.5B's step look 5 times dearer, and `k: auto` then
     turned drafting off (each probe's catch-up confirming the price)."""
 
@@ -164,8 +167,8 @@ class DraftStop:
 
     - min_prob p (fixed): a draft whose probability under the draft model is below p
       is not proposed and ends the round, unless its verify row is free (a padded
-      one-token call, DraftRequest.free_rows): then it is proposed, the round's last.
-    - min_prob None (`auto`) with DraftRequest.prices: draft i is proposed while the
+      one-token call, Round.free_rows): then it is proposed, the round's last.
+    - min_prob None (`auto`) with Round.prices: draft i is proposed while the
       chance that the target accepts it, taken as the product of the draft's
       probabilities up to it, is at least what its verify row costs (prices.rows[i],
       in decode steps) times prices.rate (the tokens a decode step's time makes
@@ -178,10 +181,10 @@ class DraftStop:
       every draft, up to k.
     """
 
-    def __init__(self, min_prob: float | None, req: DraftRequest):
+    def __init__(self, min_prob: float | None, rnd: Round):
         self.min_prob = min_prob or 0.0
-        self.prices = req.prices if min_prob is None else None
-        self.free, self.chance = req.free_rows, 1.0
+        self.prices = rnd.prices if min_prob is None else None
+        self.free, self.chance = rnd.free_rows, 1.0
 
     @property
     def needs_prob(self) -> bool:

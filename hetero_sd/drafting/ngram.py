@@ -51,7 +51,7 @@ class NgramDrafter(Drafter):
                     table[tuple(ctx[e - n:e])] = e
         self._indexed = max(self._indexed, len(ctx))
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd=None) -> DraftResult:
         ctx = self.context_for(req)
         if req.base_len < self._indexed:  # rolled back past indexed tokens: rebuild
             self._indexed = 0

@@ -49,6 +49,7 @@ from hetero_sd.drafting.specs import MODES, TRANSPORTS, DrafterSpec, has_distrib
 from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, ERROR, HELLO, PARTIAL, READY, RESET, Control,
                                      decode_reply, parse_draft, sampling_words)
 from hetero_sd.drafting.worker import WorkerOptions
+from hetero_sd.ir.cache import configured_root
 from hetero_sd.ir.errors import BackendError, ConfigError, from_text
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult
 from hetero_sd.transport import CorruptRecord, TransportTimeout, listen
@@ -72,11 +73,6 @@ class WorkerStats:
     compute_s: float = 0.0  # worker side: drafting for those replies
     ahead_s: float = 0.0  # worker side: drafting ahead between requests (overlaps verification)
     last_error: str = ""
-
-    @property
-    def transport_s(self) -> float:
-        """Waiting that was not drafting: transport, wake-ups, decoding the reply."""
-        return max(0.0, self.wait_s - self.compute_s)
 
 
 def _stop(proc, channel, kill: bool) -> None:
@@ -155,8 +151,7 @@ class RemoteDrafter(Drafter):
         self.start_method = start_method
         self.vocab, self.timeout_s, self.start_timeout_s = target_vocab, timeout_s, start_timeout_s
         self.max_failed_starts = max_failed_starts
-        self.options = WorkerOptions(target_vocab, mode, lookahead, threads, cpu,
-                                     hetero_env() if transport != "inproc" else {})
+        self.options = WorkerOptions(target_vocab, mode, lookahead, threads, cpu, configured_root())
         self.name = f"{spec.label}@{transport}" + ("-async" if mode == "async" else "")
         self.stats = WorkerStats()
         self._w: _Worker | None = None
@@ -255,14 +250,14 @@ class RemoteDrafter(Drafter):
         self._w.release()
         self._call(Control(BEGIN, capacity, words).pack(), ACK, self._timeout())
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd=None) -> DraftResult:
         if self._w is None or not self._ready:
             raise WorkerError(f"drafter worker {self.name} is not running (it failed earlier)")
         self._w.release()  # the previous reply's distributions are no longer read
         t0 = time.perf_counter()
         reply = self._call(req.pack(), DRAFT, self._timeout())
         try:
-            result = parse_draft(reply, req.seq_id, req.k, self.vocab)
+            result = parse_draft(reply, req.seq_id, req.k, self.vocab, rnd)
         except CorruptRecord as exc:
             self._fail(exc)
             raise
@@ -337,12 +332,6 @@ class RemoteDrafter(Drafter):
             w, self._w = self._w, None
             w.stop(kill=True)
         self._ready = self._warm = False
-
-
-def hetero_env() -> dict:
-    """The HETERO_SD_* environment a worker must see: a forkserver child inherits
-    the server's environment, not the engine's current one."""
-    return {k: v for k, v in os.environ.items() if k.startswith("HETERO_SD_")}
 
 
 __all__ = ["RemoteDrafter", "WorkerError", "WorkerStats"]

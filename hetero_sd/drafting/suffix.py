@@ -31,12 +31,11 @@ Proposals are a deterministic function of the context and of the global tree
 with the n-gram drafter, and greedy output is the target's whatever is drafted.
 Alone, its one-hot drafts are coupled to the target's own draws
 (hetero_sd/sampling.py): a seeded sampled output is target-only sampling's
-whatever it drafts, so it drafts from everything (global_for_seeded=True, as
-drafting.build makes it). Inside a hybrid, which rounds it serves decides the
-draft model's or head's rounds, whose drafts decide how the draws are used:
-there (global_for_seeded=False) a seeded sampled request drafts from its own
-tree and the corpus alone (a tree of the pinned sequences only, built on the
-first such request and shared by the forks), never from earlier requests.
+whatever it drafts, so it drafts from everything. Where its lookups decide
+drafts that carry distributions (inside a hybrid), a pinned request
+(scheduler/mode.py: RequestMode.shares_lookups False) drafts from its own tree
+and the corpus alone (a tree of the pinned sequences only, built on the first
+such request and shared by the forks), never from earlier requests.
 
 Both trees are suffix tries truncated at `depth` = max_depth + MAX_DRAFT_TOKENS
 (room for a full draft after the longest match): the request tree in
@@ -49,11 +48,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Sequence
 
-from hetero_sd.drafting.base import Drafter
+from hetero_sd.drafting.base import Drafter, round_of
 from hetero_sd.drafting.suffix_global import GlobalTree, _Edge
 from hetero_sd.drafting.suffix_tree import RequestTree
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 
 
 class SuffixDrafter(Drafter):
@@ -65,7 +65,7 @@ class SuffixDrafter(Drafter):
     can_fork = True  # fork(): a drafter per concurrent sequence (the batching server)
 
     def __init__(self, max_depth: int = 24, factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_cached_requests: int = 256, max_cached_tokens: int = 1 << 20, global_for_seeded: bool = False,
+                 max_cached_requests: int = 256, max_cached_tokens: int = 1 << 20,
                  corpus: Iterable[Sequence[int]] = ()):
         if not 1 <= max_depth <= 1024:
             raise ConfigError(f"suffix drafter: max_depth must be in 1..1024, got {max_depth}")
@@ -78,12 +78,11 @@ class SuffixDrafter(Drafter):
                               f"requests, {max_cached_tokens} tokens")
         self.max_depth, self.factor, self.min_token_prob = max_depth, float(factor), float(min_token_prob)
         self.max_cached_requests, self.max_cached_tokens = max_cached_requests, max_cached_tokens
-        self.global_for_seeded = global_for_seeded
         self.depth = max_depth + MAX_DRAFT_TOKENS  # room for a full draft after the longest match
         self.global_tree = GlobalTree(self.depth)
         for tokens in corpus:  # pinned: beyond the bounds, never evicted, kept by clear_global()
             self.global_tree.add(list(tokens), pinned=True)
-        self._corpus_only: dict = {}  # "tree": the corpus alone, for seeded requests (shared by forks)
+        self._corpus_only: dict = {}  # "tree": the corpus alone, for pinned requests (shared by forks)
         self._fresh()
 
     def fork(self) -> "SuffixDrafter":
@@ -112,8 +111,8 @@ class SuffixDrafter(Drafter):
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self.reset()
         self._guide = guide
-        seeded = sampler is not None and sampler.seeded
-        self._global = self.global_tree if self.global_for_seeded or not seeded else self._corpus_tree()
+        shares = sampler is None or sampler.mode.shares_lookups  # (scheduler/mode.py)
+        self._global = self.global_tree if shares else self._corpus_tree()
 
     def _corpus_tree(self) -> GlobalTree | None:
         """The corpus's pinned sequences alone, indexed on first use (as long again as
@@ -147,7 +146,8 @@ class SuffixDrafter(Drafter):
         """Forget every earlier request (this drafter's forks share the loss); a corpus stays."""
         self.global_tree.evict_all()
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
+        free = round_of(rnd).free_rows
         self._sync(req)
         ctx = self.context
         tokens, self.match_len, self.score, self.source = [], 0, 0.0, None
@@ -165,10 +165,10 @@ class SuffixDrafter(Drafter):
             options.append((self.tree, node, size, size, "local"))
         for tree, at, depth, matched, source in options:  # the other tree if the first has nothing
             # (a free verify row takes a draft from any match, however short)
-            limit = min(req.k, max(int(self.factor * matched + 1e-9), req.free_rows))
+            limit = min(req.k, max(int(self.factor * matched + 1e-9), free))
             if limit <= 0:
                 continue
-            tokens, score = tree.speculate(at, depth, limit, self.min_token_prob, req.free_rows)
+            tokens, score = tree.speculate(at, depth, limit, self.min_token_prob, free)
             if tokens:
                 self.match_len, self.score, self.source = matched, score, source
                 break

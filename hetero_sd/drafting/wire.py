@@ -31,6 +31,7 @@ import numpy as np
 
 from hetero_sd.ir.work import DraftResult, _Record
 from hetero_sd.sampling import Sampler, SamplingParams
+from hetero_sd.scheduler.round import Round
 from hetero_sd.transport import CorruptRecord, pack_frame, unpack_frame
 
 HELLO, BEGIN, RESET, READY, ACK, DRAFT = 1, 2, 3, 4, 5, 6  # Control ops / what a reply answers
@@ -50,7 +51,7 @@ class Control(_Record):
 
 # status, answers (op), source (FRESH/PARTIAL/AHEAD), body bytes, seconds computed for
 # this reply, seconds spent drafting ahead since the previous reply, and of the seconds
-# computed, those of a catch-up (DraftResult.catch_up_s)
+# computed, those of a catch-up (Round.catch_up_s)
 _HEADER = struct.Struct("<iiiIddd")
 
 
@@ -62,7 +63,7 @@ class Reply:
     source: int = FRESH
     compute_s: float = 0.0
     ahead_s: float = 0.0
-    catch_up_s: float = 0.0  # a FRESH draft's DraftResult.catch_up_s (in-process field, carried here)
+    catch_up_s: float = 0.0  # a FRESH draft's Round.catch_up_s (scheduler/round.py)
     probs: np.ndarray | None = None  # [rows, vocab] float64 (DRAFT under sampling)
     region: int | None = None  # the arena region `probs` is a view of (release it after use)
 
@@ -123,8 +124,9 @@ def decode_reply(channel, frame: bytes, vocab: int) -> Reply:
     return reply
 
 
-def parse_draft(reply: Reply, seq_id: int, k: int, vocab: int) -> DraftResult:
-    """The DraftResult in a DRAFT reply, checked against the request."""
+def parse_draft(reply: Reply, seq_id: int, k: int, vocab: int, rnd: Round | None = None) -> DraftResult:
+    """The DraftResult in a DRAFT reply, checked against the request; the reply's catch-up
+    seconds go to the round's record."""
     try:
         result = DraftResult.unpack(reply.body)
     except (ValueError, struct.error) as exc:
@@ -139,7 +141,8 @@ def parse_draft(reply: Reply, seq_id: int, k: int, vocab: int) -> DraftResult:
             raise CorruptRecord(f"draft distributions of shape {reply.probs.shape} for "
                                 f"{len(result.tokens)} tokens over {vocab}")
         result.probs = reply.probs
-    result.catch_up_s = reply.catch_up_s
+    if rnd is not None:
+        rnd.catch_up_s = reply.catch_up_s
     return result
 
 

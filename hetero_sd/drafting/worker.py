@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from hetero_sd.backends.base import Runner
@@ -35,6 +35,7 @@ from hetero_sd.drafting.specs import DrafterSpec, ModelSpec
 from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, PARTIAL, READY, RESET, Control,
                                      Reply, encode_reply, error_reply, sampler_from_words)
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 from hetero_sd.transport import PeerClosed, TransportTimeout, connect
 
 IDLE_WAIT_S = 3600.0  # a bounded wait between requests (see main)
@@ -47,7 +48,7 @@ class WorkerOptions:
     lookahead: int | None = None  # async: tokens to draft beyond a reply; None: k + 1
     threads: int | None = None  # torch / OpenMP threads in the worker; None: the runtime's default
     cpu: int | tuple[int, ...] | None = None  # pin the worker to this CPU or these CPUs (Linux)
-    env: dict = field(default_factory=dict)  # HETERO_SD_* variables to set in the worker
+    cache: str | None = None  # the engine's cache folder ($HETERO_SD_CACHE; None: the default one)
 
 
 class Lookahead:
@@ -159,10 +160,11 @@ class Handler:
         if self.ahead is not None:
             tokens, source = self.ahead.answer(req)
             return Reply(OK, DRAFT, DraftResult(req.seq_id, tokens).pack(), source)
-        result = self.drafter.draft(req)
+        rnd = Round()
+        result = self.drafter.draft(req, rnd)
         # (drafted ahead, a catch-up was paid between requests, not in the engine's wait: 0 there)
         return Reply(OK, DRAFT, DraftResult(req.seq_id, result.tokens).pack(), FRESH, probs=result.probs,
-                     catch_up_s=result.catch_up_s)
+                     catch_up_s=rnd.catch_up_s)
 
     def work_ahead(self) -> None:
         """One step of drafting ahead (between requests)."""
@@ -179,11 +181,12 @@ class Handler:
 
 
 def _setup(options: WorkerOptions) -> None:
-    for key in [k for k in os.environ if k.startswith("HETERO_SD_")]:
-        if key not in options.env:
-            del os.environ[key]
-    os.environ.update(options.env)
-    if options.threads:
+    """A worker process's setup: the engine's cache folder, its threads and CPUs. Its
+    backends' switches come with its spec (ModelSpec.options), not its environment."""
+    from hetero_sd.ir.cache import use_root
+
+    use_root(options.cache)
+    if options.threads:  # for the third-party runtimes (OpenMP, torch), not our config
         os.environ["OMP_NUM_THREADS"] = str(options.threads)
         import torch
 

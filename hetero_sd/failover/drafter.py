@@ -12,6 +12,7 @@ from hetero_sd.drafting.base import Drafter
 from hetero_sd.errors import GenerationError, describe
 from hetero_sd.failover.fallback import Fallback, Replanner
 from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.scheduler.round import Round
 
 
 class FailoverDrafter(Drafter):
@@ -21,7 +22,7 @@ class FailoverDrafter(Drafter):
         self.events: list[str] = []
         self._fresh = False  # `serving` has not been told the context yet
         self._capacity, self._sampler, self._guide = 0, None, None
-        self._replans = True  # this request's rounds feed the Replanner (begin: not a seeded sample's)
+        self._replans = True  # this request's rounds feed the Replanner (begin: RequestMode.replans)
 
     @property
     def name(self) -> str:
@@ -41,9 +42,7 @@ class FailoverDrafter(Drafter):
 
     def begin(self, capacity: int, sampler=None, guide=None) -> None:
         self._capacity, self._sampler, self._guide, self.serving = capacity, sampler, guide, None
-        # a seeded sampled request neither feeds the Replanner nor is re-planned: which drafter
-        # serves it must not follow earlier requests (its drafts decide how its draws are used)
-        self._replans = sampler is None or not sampler.seeded
+        self._replans = sampler is None or sampler.mode.replans  # (scheduler/mode.py)
         self.forget_context()
         if self.default is not None:
             self._start(self.default)
@@ -64,17 +63,16 @@ class FailoverDrafter(Drafter):
             return
         self.serving, self._fresh = drafter, True
 
-    def draft(self, req: DraftRequest) -> DraftResult:
+    def draft(self, req: DraftRequest, rnd: Round | None = None) -> DraftResult:
         context = self.context_for(req)
         if self.serving is None:
             return DraftResult(req.seq_id, [])
         if self._fresh:
             # (features align with the context's end: the replacement gets what this round has)
-            req = DraftRequest(req.seq_id, 0, req.k, list(context), features=req.features, context=context,
-                               free_rows=req.free_rows, prices=req.prices)
+            req = DraftRequest(req.seq_id, 0, req.k, list(context), features=req.features, context=context)
         n = len(context)
         try:
-            result = self.serving.draft(req)
+            result = self.serving.draft(req, rnd)
             if len(context) != n:  # a drafter reads the history; one that wrote to it is a broken one
                 if len(context) < n:
                     raise GenerationError(f"drafter {self.serving.name} removed tokens from the request's "

@@ -65,7 +65,7 @@ class Event:
     finish_reason: str | None = None
     result: object = None  # hetero_sd.request.GenerationResult on the final event
     error: str | None = None
-    logprobs: list | None = None  # hetero_sd.request.TokenLogprob of token_ids, when asked for
+    logprobs: list | None = None  # hetero_sd.scoring.TokenLogprob of token_ids, when asked for
 
 
 class Handle:
@@ -233,12 +233,10 @@ class BatchEngine:
         sub = handle.request
         while True:
             try:
-                # Draft lengths are priced by the batch cost model (_price), not by this
-                # request's own timings, so a seeded sampled request draws the same
-                # tokens whatever runs beside it.
+                # (concurrent: priced by the batch cost model, _price; scheduler/mode.py)
                 req = self.engine.request(sub.prompt_ids, sub.max_new_tokens, sub.stop, sub.sampling,
-                                          sub.constraint, speculate=sub.speculate, learn_timings=False,
-                                          concurrent=True, logprobs=sub.logprobs)
+                                          sub.constraint, speculate=sub.speculate, concurrent=True,
+                                          logprobs=sub.logprobs)
                 break
             except KVBudgetError:  # the pool's room goes to running requests before cached prefixes
                 if self.prefix is None or not self.prefix.evict():
@@ -269,13 +267,13 @@ class BatchEngine:
         self._price()
         started = [x for x in self._running if x.started]
         # Alone, a request's call is its own and its policy's price is right: the gate is for batches
-        gated = len(started) > 1 and any(x.req.greedy and x.req.speculating for x in started)
+        gated = len(started) > 1 and any(x.req.mode.priced and x.req.speculating for x in started)
         draft = self.gate.decide(len(started)) if gated else True
         t_step, committed = time.perf_counter(), sum(x.req.history.output_len for x in started)
         batch = []
         for live in started:
-            # (a seeded sample keeps its own policy; a lone step may fill a padded call's free row)
-            step = live.req.propose(draft=draft or not live.req.greedy, alone=len(started) == 1)
+            # (the gate prices only what the batch prices; a lone step may fill a padded call's free row)
+            step = live.req.propose(draft=draft or not live.req.mode.priced, alone=len(started) == 1)
             if step is None:  # the context is full
                 self._publish(live, True)
             else:
@@ -292,7 +290,7 @@ class BatchEngine:
             self.on_step(len(batch), rows)
         drafted = sum(len(step.drafts) for _, step in batch)
         if drafted:
-            spent = sum(live.req.last_draft_s or 0.0 for live, _ in batch)
+            spent = sum(live.req.round.draft_s or 0.0 for live, _ in batch if live.req.round is not None)
             self._draft_s_per_token = 0.9 * self._draft_s_per_token + 0.1 * spent / drafted
         for (live, step), out in zip(batch, logits):
             share = self.cost.share(len(step.tokens), len(batch))

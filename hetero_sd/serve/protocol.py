@@ -275,7 +275,7 @@ def choice(kind: Kind, text: str | None, finish_reason: str | None, stream: bool
 
 
 def logprobs_body(kind: Kind, entries, decode, text_offset: int = 0) -> dict:
-    """OpenAI's logprobs of some committed tokens (hetero_sd.request.TokenLogprob): for chat
+    """OpenAI's logprobs of some committed tokens (hetero_sd.scoring.TokenLogprob): for chat
     {"content": [{token, logprob, bytes, top_logprobs}]}; for completions the legacy
     {tokens, token_logprobs, top_logprobs, text_offset}, offsets counted from `text_offset`."""
     def piece(token: int) -> str:

@@ -140,7 +140,7 @@ class _NodeKillAt(ProxyDrafter):
         super().__init__(inner)
         self.call, self.kill, self.calls = call, kill, 0
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         self.calls += 1
         if self.calls == self.call:
             self.kill()

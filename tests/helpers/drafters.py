@@ -19,7 +19,7 @@ class ProxyDrafter(Drafter):
     def reset(self):
         self.inner.reset()
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         return self.seen(req, self.inner.draft(req))
 
     def seen(self, req, result):
@@ -36,7 +36,7 @@ class KillAt(ProxyDrafter):
         super().__init__(inner)
         self.call, self.after_reply, self.calls = call, after_reply, 0
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         self.calls += 1
         kill = self.calls == self.call and self.inner.pid is not None
         if kill and not self.after_reply:

@@ -138,7 +138,7 @@ class _Silent(NgramDrafter):
 
     name = "silent"
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         return DraftResult(req.seq_id, [])
 
 
@@ -198,7 +198,7 @@ class _Clumsy(NgramDrafter):
         super().begin(capacity, sampler, guide)
         self.guide = guide
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         assert not self.guide.accept(3)  # EOS where the grammar does not accept
         raise RuntimeError("a drafter bug")
 

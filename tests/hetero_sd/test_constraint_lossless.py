@@ -127,7 +127,7 @@ class ScriptedDrafter(Drafter):
     def reset(self):
         self.context, self.script = [], None
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         apply_delta(self.context, req)
         if self.script is None:  # the first request carries the prompt
             self.prompt = list(self.context)

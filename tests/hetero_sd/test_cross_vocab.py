@@ -323,7 +323,7 @@ def test_a_draft_model_runs_unpadded_beside_a_padded_target(tiny_model_dir, fore
     from hetero_sd.backends import row_check
     from helpers.tiny_models import make_tokenizer
 
-    monkeypatch.setenv(row_check.ENV, "1")
+    monkeypatch.setenv("HETERO_SD_PAD_SINGLE_ROW", "1")  # the old switch: read when the config loads
     model = tiny_model_dir("llama")
     engine = _from_yaml(tmp_path, f"model: {model}, backend: onnxruntime, precision: int4",
                         f"kind: model, model: {foreign_draft if draft == 'foreign' else model}, "
@@ -339,7 +339,7 @@ class _ShortMatches:
 
     match_len = 1
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         from hetero_sd.ir.work import DraftResult
 
         return DraftResult(req.seq_id, [7][:req.k], None)
@@ -353,7 +353,7 @@ class _Refused:
     def __init__(self):
         self.rounds = 0
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         from hetero_sd.ir.work import DraftResult
 
         self.rounds += req.k > 0
@@ -397,17 +397,18 @@ def test_a_hybrids_lookup_rounds_do_not_price_a_draft_step(tiny_model_dir, tmp_p
     hybrid, seen, served = engine._drafter.default, [], [None]
     observe, draft = engine.policy.observe, hybrid.draft
 
-    def spy_observe(drafted, accepted, draft_s=None, verify_s=None, catch_up_s=0.0):
-        seen.append((drafted, draft_s, served[0]))  # (which drafter served the round's drafts)
+    def spy_observe(rnd):
+        # (the draft seconds the policy prices by; which drafter served the round's drafts)
+        seen.append((rnd.drafted, rnd.priced_draft_s, served[0]))
         served[0] = None
-        observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s)
+        observe(rnd)
 
-    def spy_draft(req):
+    def spy_draft(req, rnd=None):
         before = dict(hybrid.picks)
-        got = draft(req)
+        got = draft(req, rnd)
         served[0] = "suffix" if hybrid.picks["suffix"] > before["suffix"] else \
             "model" if hybrid.picks["head"] > before["head"] else None
-        assert got.lookup == (served[0] == "suffix")
+        assert rnd.lookup == (served[0] == "suffix")
         return got
 
     engine.policy.observe, hybrid.draft = spy_observe, spy_draft

@@ -90,7 +90,7 @@ class _Scribbler(NgramDrafter):
     """A broken drafter: it appends its own drafts to the context it was given to read."""
     name = "scribbler"
 
-    def draft(self, req):
+    def draft(self, req, rnd=None):
         result = super().draft(req)
         if req.context is not None:
             req.context.extend(result.tokens)

@@ -3,10 +3,10 @@
 drafts one token from a lookup drafter, as that row costs nothing; the output stays the
 target's own. Never for a sampled request (its draft lengths follow acceptance alone), a
 model drafter, or an unpadded target. And a round that drafts takes its first draft
-however unsure the drafter is (DraftRequest.free_rows): min_prob floors do not apply."""
+however unsure the drafter is (Round.free_rows): min_prob floors do not apply."""
 from __future__ import annotations
 
-from hetero_sd.backends import row_check
+from hetero_sd.backends.options import BackendOptions, parse_padding
 from hetero_sd.backends.registry import discover
 from hetero_sd.drafting import NgramDrafter
 from hetero_sd.engine import Engine
@@ -34,9 +34,14 @@ class _Never:
         return None
 
 
+def _padded(folder, pad: str):
+    """The int4 onnxruntime target with pad_single_row `pad` (1: padded, 0: not)."""
+    return discover().get("onnxruntime").load(load_model_ir(folder), "cpu", "int4", 8 << 20,
+                                              options=BackendOptions(pad_single_row=parse_padding(pad)))
+
+
 def _engine(folder, monkeypatch, pad: str) -> Engine:
-    monkeypatch.setenv(row_check.ENV, pad)
-    target = discover().get("onnxruntime").load(load_model_ir(folder), "cpu", "int4", 8 << 20)
+    target = _padded(folder, pad)
     return Engine(target, NgramDrafter(1, 3), k=4, tokenizer=make_tokenizer())
 
 
@@ -68,8 +73,7 @@ def test_a_short_unsure_suffix_match_fills_the_free_row(tiny_model_dir, monkeypa
 
     drafted = {}
     for pad in ("0", "1"):
-        monkeypatch.setenv(row_check.ENV, pad)
-        target = discover().get("onnxruntime").load(load_model_ir(tiny_model_dir("llama")), "cpu", "int4", 8 << 20)
+        target = _padded(tiny_model_dir("llama"), pad)
         engine = Engine(target, SuffixDrafter(factor=0.01, min_token_prob=1.0), k=4, tokenizer=make_tokenizer())
         drafted[pad] = 0
         for seed in range(4):

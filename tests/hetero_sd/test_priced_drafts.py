@@ -19,7 +19,7 @@ from hetero_sd.drafting.cross_vocab import CrossVocabDrafter
 from hetero_sd.drafting.model import DraftStop
 from hetero_sd.engine import Engine
 from hetero_sd.ir.work import DraftPrices, DraftRequest
-from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
+from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength, Round
 from hetero_sd.scheduler.draft_length import AchievedRate
 from hetero_sd.scheduler.cost_model import CostCurve, RoundCost
 from helpers.table_model import TableRunner
@@ -33,8 +33,8 @@ MIDDLE = RoundCost(CostCurve(((1, 1.0), (2, 1.3), (9, 3.4))), CostCurve.affine(0
 DEAR = RoundCost(CostCurve(((1, 1.0), (2, 1.45), (9, 6.0))), CostCurve.affine(0.0, 0.2))
 
 
-def _request(prices: DraftPrices | None, free: int = 0) -> DraftRequest:
-    return DraftRequest(0, 0, 4, [1], free_rows=free, prices=prices)
+def _request(prices: DraftPrices | None, free: int = 0) -> Round:
+    return Round(asked=4, free_rows=free, prices=prices)
 
 
 def test_prices_are_each_row_and_a_draft_step_in_decode_steps():
@@ -90,14 +90,14 @@ def test_a_policy_prices_drafts_at_the_rate_its_rounds_achieve(make):
     policy = make()
     assert policy.draft_prices().rate == 1.0
     for _ in range(60):  # a plain round (1 token, 10 ms), then 4 tokens in 20 ms + 6 ms of drafts
-        policy.observe(0, 0, verify_s=0.010)
-        policy.observe(3, 3, draft_s=0.006, verify_s=0.020)
+        policy.observe(Round(drafted=0, accepted=0, verify_s=0.010))
+        policy.observe(Round(drafted=3, accepted=3, draft_s=0.006, verify_s=0.020))
     # about (1 + 4) / 2 tokens over (1 + 2.6) / 2 steps a round (moving averages: approx)
     assert policy.draft_prices().rate == pytest.approx(2.5 / 1.8, rel=0.1)
     before = policy.draft_prices().rate
     # a new request's first round: the draft model takes in its prompt (0.4 s, 40 steps) with
     # its first draft; that one-off is no price of the rounds to come
-    policy.observe(3, 3, draft_s=0.402, verify_s=0.020, catch_up_s=0.4)
+    policy.observe(Round(drafted=3, accepted=3, draft_s=0.402, verify_s=0.020, catch_up_s=0.4))
     assert policy.draft_prices().rate >= 0.9 * before
 
 
@@ -105,8 +105,8 @@ def test_a_fixed_k_prices_drafts_by_the_timings_it_observes():
     policy = FixedDraftLength(4)
     before = policy.draft_prices()  # the prior (DEFAULT_COST): a row 0.1 step, a draft step 0.02
     for _ in range(30):  # a verify of 2 rows as dear as 1.5 steps, a draft step 0.2 of one
-        policy.observe(0, 0, verify_s=0.010)
-        policy.observe(1, 1, draft_s=0.002, verify_s=0.015)
+        policy.observe(Round(drafted=0, accepted=0, verify_s=0.010))
+        policy.observe(Round(drafted=1, accepted=1, draft_s=0.002, verify_s=0.015))
     prices = policy.draft_prices()
     assert before.rows[0] == pytest.approx(0.1) and before.step == pytest.approx(0.02)
     # (learnt robustly, so slowly: a spike moves a curve's shape by little)
@@ -176,7 +176,7 @@ class _TimedTable(TableRunner):
 @pytest.mark.parametrize("cross", [False, True], ids=["same-vocab", "cross-vocab"])
 def test_a_draft_model_reports_the_catch_up_apart_from_its_draft_steps(cross):
     """The first round takes in the prompt with its first draft: that call's seconds are
-    DraftResult.catch_up_s. A round after a drafted one feeds its last draft and the bonus
+    Round.catch_up_s. A round after a drafted one feeds its last draft and the bonus
     and reports none, as does a round after a lookup's short copy (<= CATCH_UP tokens)."""
     from hetero_sd.drafting.model import CATCH_UP
 
@@ -184,15 +184,16 @@ def test_a_draft_model_reports_the_catch_up_apart_from_its_draft_steps(cross):
     drafter = CrossVocabDrafter(draft, _bridge(), min_prob=0.0) if cross else ModelDrafter(draft, 4, min_prob=0.0)
     drafter.begin(256)
     prompt = [0, 1, 2] * 8  # 24 tokens
-    first = drafter.draft(DraftRequest(0, 0, 3, prompt, context=prompt))
+    first_round, steady_round, behind_round = Round(), Round(), Round()
+    first = drafter.draft(DraftRequest(0, 0, 3, prompt, context=prompt), first_round)
     assert len(first.tokens) == 3
-    assert first.catch_up_s >= 0.002 * len(prompt), first.catch_up_s  # (the prompt's call: 2 ms a token)
+    assert first_round.catch_up_s >= 0.002 * len(prompt), first_round  # (the prompt's call: 2 ms a token)
     ctx = prompt + first.tokens + [0]  # all accepted, and a bonus token
-    steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):], context=ctx))
-    assert len(steady.tokens) == 3 and steady.catch_up_s == 0.0
+    steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):], context=ctx), steady_round)
+    assert len(steady.tokens) == 3 and steady_round.catch_up_s == 0.0
     ctx2 = ctx + steady.tokens[:1] + [1] * (CATCH_UP + 6)  # one accepted, then a copy the drafter did not draft
-    behind = drafter.draft(DraftRequest(0, len(ctx), 3, ctx2[len(ctx):], context=ctx2))
-    assert behind.catch_up_s >= 0.002 * (CATCH_UP + 1), behind.catch_up_s  # (fewer across tokenizers)
+    drafter.draft(DraftRequest(0, len(ctx), 3, ctx2[len(ctx):], context=ctx2), behind_round)
+    assert behind_round.catch_up_s >= 0.002 * (CATCH_UP + 1), behind_round  # (fewer across tokenizers)
 
 
 def test_the_request_hands_the_catch_up_to_the_policy():
@@ -206,9 +207,9 @@ def test_the_request_hands_the_catch_up_to_the_policy():
     policy, seen = AdaptiveDraftLength(4), []
     observe = policy.observe
 
-    def spy(drafted, accepted, draft_s=None, verify_s=None, catch_up_s=0.0):
-        seen.append((drafted, draft_s, catch_up_s))
-        observe(drafted, accepted, draft_s=draft_s, verify_s=verify_s, catch_up_s=catch_up_s)
+    def spy(rnd):
+        seen.append((rnd.drafted, rnd.draft_s, rnd.catch_up_s))
+        observe(rnd)
 
     policy.observe = spy
     engine = Engine(target, ModelDrafter(_TimedTable(4, seed=3, scale=1.0), 4), policy=policy)

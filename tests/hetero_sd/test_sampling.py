@@ -48,14 +48,21 @@ def _emitted(engine: Engine, params: SamplingParams, n: int, target_only=False):
 CORPUS = [[0, 1, 2, 3, 0, 1, 2, 3], [1, 1, 0, 2, 2, 3], [2, 0, 1, 3, 3, 1, 0]]
 
 
+def _pinning(drafter):
+    """A suffix drafter that seeded requests are pinned with (RequestMode.pinned), as inside
+    a hybrid: declared not one-hot, so they draft from its own tree and the corpus alone."""
+    drafter.one_hot = False
+    return drafter
+
+
 def _drafters():
     return {"ngram": NgramDrafter(1, 2),
             # earlier requests' outputs draft too, though every request here is seeded
-            "suffix": SuffixDrafter(global_for_seeded=True),
+            "suffix": SuffixDrafter(),
             # a pinned corpus alone (drafter.suffix_corpus), no earlier requests
-            "suffix-corpus": SuffixDrafter(global_for_seeded=True, max_cached_requests=0, corpus=CORPUS),
+            "suffix-corpus": SuffixDrafter(max_cached_requests=0, corpus=CORPUS),
             # the same corpus where seeded requests draft from it alone (earlier outputs kept apart)
-            "suffix-corpus-seeded": SuffixDrafter(corpus=CORPUS),
+            "suffix-corpus-seeded": _pinning(SuffixDrafter(corpus=CORPUS)),
             "model": ModelDrafter(TableRunner(VOCAB, seed=0, noise=0.8, noise_seed=7), VOCAB)}
 
 

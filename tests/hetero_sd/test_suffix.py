@@ -171,7 +171,7 @@ def test_a_seeded_sample_with_one_hot_drafts_is_target_only_sampling(k):
 
     rng = random.Random(7)
     corpus = [[rng.randrange(4) for _ in range(30)] for _ in range(4)]
-    drafters = {"suffix": SuffixDrafter(global_for_seeded=True), "suffix-corpus": SuffixDrafter(corpus=corpus),
+    drafters = {"suffix": SuffixDrafter(), "suffix-corpus": SuffixDrafter(corpus=corpus),
                 "ngram": NgramDrafter(1, 3)}
     for name, drafter in drafters.items():
         policy = AdaptiveDraftLength(8) if k == "auto" else None
@@ -190,9 +190,10 @@ def test_a_seeded_sample_with_one_hot_drafts_is_target_only_sampling(k):
 
 
 def test_a_seeded_sampled_request_drafts_from_the_corpus_and_stays_reproducible():
-    """A corpus is fixed with the drafter, so a seeded request drafts from it (a tree of the
-    pinned sequences alone) and still never depends on earlier requests, whose outputs
-    join the global tree beside the corpus."""
+    """A corpus is fixed with the drafter, so a pinned request (seeded, where the suffix
+    drafter's lookups decide drafts with distributions, as inside a hybrid: scheduler/mode.py)
+    drafts from it (a tree of the pinned sequences alone) and still never depends on earlier
+    requests, whose outputs join the global tree beside the corpus."""
     import random
 
     from hetero_sd.engine import Engine
@@ -203,6 +204,7 @@ def test_a_seeded_sampled_request_drafts_from_the_corpus_and_stays_reproducible(
     corpus = [[rng.randrange(4) for _ in range(40)] for _ in range(6)]
     prompt, seeded = [0, 1, 2, 3, 1], SamplingParams(1.0, seed=5)
     drafter = SuffixDrafter(corpus=corpus)
+    drafter.one_hot = False  # (declared so, its seeded requests are pinned)
     engine = Engine(TableRunner(4, seed=0), drafter, k=3)
     runs = []
     for other_seed in range(8):
@@ -212,7 +214,9 @@ def test_a_seeded_sampled_request_drafts_from_the_corpus_and_stays_reproducible(
         engine.generate_ids(prompt, 24)  # greedy: drafts from the global tree, its output joins it
     assert all(run == runs[0] for run in runs)  # tokens, drafts and acceptances alike
     assert len(drafter.global_tree.order) > 0 and drafter._corpus_only["tree"].order == deque()
-    bare = Engine(TableRunner(4, seed=0), SuffixDrafter(), k=3).generate_ids(prompt, 24, sampling=seeded)
+    bare_drafter = SuffixDrafter()
+    bare_drafter.one_hot = False
+    bare = Engine(TableRunner(4, seed=0), bare_drafter, k=3).generate_ids(prompt, 24, sampling=seeded)
     assert runs[0][1] > bare.stats.drafted  # the corpus drafts where the request's own text cannot yet
     forked = drafter.fork()
     forked.begin(64, sampler=Sampler(seeded))

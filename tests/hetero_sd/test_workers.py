@@ -145,15 +145,18 @@ def test_async_serves_rounds_from_pre_drafted_tokens(target, paths, remote):
 @pytest.mark.parametrize("transport", ["inproc", "pipe"])
 def test_a_worker_reports_its_catch_up(target, paths, remote, transport):
     """A draft model in a worker takes in the prompt with its first draft: that call's
-    seconds come back as DraftResult.catch_up_s, as in process; a steady round's are 0."""
+    seconds come back in the round's record (Round.catch_up_s), as in process; a steady round's are 0."""
+    from hetero_sd.scheduler import Round
+
     drafter = remote(model_spec(paths["target"]), transport=transport, mode="sync")
     drafter.begin(64)
     prompt = random_prompt(17, seed=51)
-    first = drafter.draft(DraftRequest(0, 0, 3, prompt))
-    assert len(first.tokens) == 3 and 0 < first.catch_up_s <= drafter.stats.compute_s
+    first_round, steady_round = Round(), Round()
+    first = drafter.draft(DraftRequest(0, 0, 3, prompt), first_round)
+    assert len(first.tokens) == 3 and 0 < first_round.catch_up_s <= drafter.stats.compute_s
     ctx = prompt + first.tokens + [0]  # all accepted, and a bonus token
-    steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):]))
-    assert len(steady.tokens) == 3 and steady.catch_up_s == 0.0
+    steady = drafter.draft(DraftRequest(0, len(prompt), 3, ctx[len(prompt):]), steady_round)
+    assert len(steady.tokens) == 3 and steady_round.catch_up_s == 0.0
     drafter.reset()
 
 

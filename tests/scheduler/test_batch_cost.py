@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hetero_sd.scheduler import AdaptiveDraftLength
+from hetero_sd.scheduler import AdaptiveDraftLength, Round
 from hetero_sd.scheduler.batch_cost import BatchCost
 
 
@@ -39,7 +39,7 @@ def test_share_and_draft_length_shrink_as_the_batch_grows():
             policy = AdaptiveDraftLength(8)
             for _ in range(10):
                 for drafted, accepted in pattern:
-                    policy.observe(drafted, accepted)
+                    policy.observe(Round(drafted=drafted, accepted=accepted))
             policy.set_cost(cost.round_cost(batch, draft_s_per_token=1e-5))
             chosen.append(policy.next_k(100))
         assert chosen[0] >= 1 and chosen == sorted(chosen, reverse=True) and chosen[-1] < chosen[0], chosen

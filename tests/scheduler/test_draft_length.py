@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from hetero_sd.scheduler import AcceptanceTracker, AdaptiveDraftLength, CostCurve, FixedDraftLength, RoundCost
+from hetero_sd.scheduler import (AcceptanceTracker, AdaptiveDraftLength, CostCurve, FixedDraftLength, Round,
+                                 RoundCost)
 
 # A verify costs 10 ms plus 1 ms per extra token; drafting 0.2 ms per token.
 TRUE = RoundCost(CostCurve(tuple((w, 0.010 + 0.001 * (w - 1)) for w in range(1, 18))), CostCurve.affine(0.0, 2e-4))
@@ -24,17 +25,17 @@ def run(policy, alpha_of_round, rounds, seed=0, truth=TRUE, hit=1.0, timings=Tru
         while accepted < drafted and rng.random() < alpha_of_round(r):
             accepted += 1
         if timings:
-            policy.observe(drafted, accepted, draft_s=truth.draft(k) if k else None,
-                           verify_s=truth.verify(drafted + 1))
+            policy.observe(Round(asked=k, drafted=drafted, accepted=accepted,
+                                 draft_s=truth.draft(k) if k else None, verify_s=truth.verify(drafted + 1)))
         else:
-            policy.observe(drafted, accepted)
+            policy.observe(Round(asked=k, drafted=drafted, accepted=accepted))
         asked.append(k)
     return asked
 
 
 def test_fixed_policy_accepts_timings_and_stays_fixed():
     policy = FixedDraftLength(4)
-    policy.observe(4, 0, draft_s=0.01, verify_s=0.02)
+    policy.observe(Round(drafted=4, accepted=0, draft_s=0.01, verify_s=0.02))
     policy.reset()
     assert [policy.next_k(r) for r in (10, 4, 2, 0, -1)] == [4, 4, 2, 0, 0]
     with pytest.raises(ValueError):
@@ -104,7 +105,8 @@ def test_adaptive_drafts_long_for_bursty_acceptance():
             accepted = 1
             while accepted < k and rng.random() < 0.95:
                 accepted += 1
-        policy.observe(k, accepted, draft_s=TRUE.draft(k) if k else None, verify_s=TRUE.verify(k + 1))
+        policy.observe(Round(asked=k, drafted=k, accepted=accepted, draft_s=TRUE.draft(k) if k else None,
+                             verify_s=TRUE.verify(k + 1)))
         asked.append(k)
     late = asked[-300:]
     assert sum(rates[k] for k in late) / len(late) >= 0.95 * best
@@ -164,7 +166,7 @@ def test_adaptive_bounds_and_validation():
         with pytest.raises(ValueError):
             AdaptiveDraftLength(bad)
     with pytest.raises(ValueError):
-        policy.observe(1, 0, verify_s=-1.0)
+        policy.observe(Round(drafted=1, accepted=0, verify_s=-1.0))
 
 
 def test_adaptive_is_deterministic_and_reset_forgets_acceptance_only():
@@ -244,7 +246,7 @@ def _drive_with_a_backlog(report_catch_up: bool) -> list[int]:
     """A 0.5B drafting for a 1.5B here: a draft step 7 ms, a verify 16 ms + 2.5 ms a row,
     95% acceptance. The draft model's first round takes in a 120-token prompt, and a round
     after rounds without drafts takes in the tokens committed meanwhile, each in the call
-    that makes its first draft (DraftResult.catch_up_s)."""
+    that makes its first draft (Round.catch_up_s)."""
     policy, rng, asked, behind = AdaptiveDraftLength(8), random.Random(0), [], 120
     step = 0.007
     for _ in range(80):
@@ -258,8 +260,8 @@ def _drive_with_a_backlog(report_catch_up: bool) -> list[int]:
             draft_s, behind = catch_up + step * (k - (1 if catch_up else 0)), 0
         else:
             behind += 1
-        policy.observe(k, accepted, draft_s=draft_s, verify_s=0.016 + 0.0025 * k,
-                       catch_up_s=(catch_up or 0.0) if report_catch_up else 0.0)
+        policy.observe(Round(asked=k, drafted=k, accepted=accepted, draft_s=draft_s, verify_s=0.016 + 0.0025 * k,
+                             catch_up_s=(catch_up or 0.0) if report_catch_up else 0.0))
         asked.append(k)
     return asked
 
