@@ -9,6 +9,10 @@ classes and register under the `hetero_sd.backends` entry-point group.
                        load(model, device, precision, kv_budget_bytes, progress=None) -> Runner
              optional  load's `progress(i, total, name)`: call it while streaming weights
                        (tensor i of total), and with total 0 to name a long step (quantizing)
+                       takes_options = True: declares that the class is constructed as
+                       Cls(options=BackendOptions) and load takes `options=` (backends/options.py:
+                       kernels, padding, plugins; a config's `options:`); undeclared: False,
+                       and neither is passed
     Runner   a subclass of Runner below (API version 2). Required: device, precision,
              vocab_size, max_context; allocate / forward / greedy / truncate / release (the
              decode loop); length / usage (reporting). Optional capabilities are declared on

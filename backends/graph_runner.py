@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.backends.pool import ExtentAllocator, PooledRunner
 from hetero_sd.backends.row_check import CHECK_VERSION, Verdict, cached_verdict, host_signature, padded, settle
 from hetero_sd.ir.cache import cache_dir
@@ -32,8 +33,9 @@ class GraphRunner(PooledRunner):
     WINDOW_BLOCK = 32  # attention windows grow in steps of this many slots
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
-                 pad_single_row: bool = False):
+                 pad_single_row: bool = False, options: BackendOptions = DEFAULT_OPTIONS):
         cfg = model.config
+        self.options = options
         self.device, self.precision = info, precision
         self.vocab_size, self.max_context = cfg.logits_vocab, cfg.max_position_embeddings
         self._layers = cfg.num_layers
@@ -60,11 +62,18 @@ class GraphRunner(PooledRunner):
         self._padding = "pairs" if pad_single_row else "none"
         self._drafting = False  # draft_only() was said: a draft never pads (its rows are proposals)
         self._padding_note = ""  # what kernel_choice says of the padding
+        self._graph_note = ""  # what kernel_choice says of the graph's kernels (a subclass's)
         self._model = model
         self.feature_layers = cfg.feature_layers  # (): the graph has no features output
         self._features: dict[int, np.ndarray] = {}
 
     pads_single_row = property(lambda self: padded(self._padding, 1))
+
+    @property
+    def kernel_choice(self) -> str:
+        """The graph's kernels, then its padding, each rendered from its own note."""
+        return "; ".join(note for note in (self._graph_note, self._padding_note) if note)
+
     padding = property(lambda self: self._padding)  # row_check.PADDINGS: how calls are padded here
 
     def settle_padding(self, graph: Path, runtime: str) -> None:
@@ -74,17 +83,15 @@ class GraphRunner(PooledRunner):
             return
         if self._drafting:  # a graph reloaded after draft_only(): no check needed
             self._padding, self._padding_note = "none", DRAFT_ROWS
-            self.kernel_choice = DRAFT_ROWS
             return
         folder = self._row_check_folder(graph, runtime)
         self._padding = "none"  # the check pads the calls itself
         try:
-            verdict = settle(self, folder, self._label())
+            verdict = settle(self, folder, self._label(), self.options.forced_padding)
         finally:
             self._padding = "pairs"
         self._padding = verdict.padding
         self._padding_note = verdict.describe()
-        self.kernel_choice = self._padding_note
 
     def _label(self) -> str:
         """The model and placement, as cached checks and choices name them (hetero-sd devices)."""
@@ -99,7 +106,7 @@ class GraphRunner(PooledRunner):
         an earlier load on this host); None where only a check can tell."""
         if not self._checks_rows:
             return Verdict("none", "not needed")
-        return cached_verdict(self._row_check_folder(graph, runtime))
+        return cached_verdict(self._row_check_folder(graph, runtime), self.options.forced_padding)
 
     def draft_only(self) -> None:
         """A drafter's runner (backends/base.py): one-token calls run unpadded, at the
@@ -109,7 +116,6 @@ class GraphRunner(PooledRunner):
         self._drafting = True
         if self._padding != "none":
             self._padding = "none"
-            self.kernel_choice = self.kernel_choice.replace(self._padding_note, DRAFT_ROWS)
             self._padding_note = DRAFT_ROWS
 
     def take_features(self, seq_id: int) -> np.ndarray | None:

@@ -60,18 +60,21 @@ ATTENTION = ("slab", "pool", "native")
 
 
 def build_llama_onnx(model: ModelIR, precision: str, path: Path | None = None, progress=None,
-                     attention: str = "slab", native_matmul: bool = False) -> onnx.ModelProto:
+                     attention: str = "slab", native_matmul: bool = False,
+                     pairs: bool | None = None) -> onnx.ModelProto:
     """The graph with weights in `precision` (onnx_weights.py). With `path`, the
     weights stream to `path.parent / weights.bin` one tensor at a time and the
     model is saved at `path`; without, they stay inside the returned proto.
     attention: how rows find their keys (ATTENTION); native_matmul: quantized linear
-    layers by our BlockMatMul where it covers them (backends/native)."""
+    layers by our BlockMatMul where it covers them (backends/native); pairs: how GGUFMatMul's
+    weights are packed (native.gguf_pairs of the library that runs them; None: the default build's)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}: one of {ATTENTION}")
     model.check_weights()
     b = Builder(path.parent / DATA_FILE if path is not None else None)
     try:
-        linear = Linears(b, model.weights, precision, wide=wide_blocks(model.config), native=native_matmul)
+        linear = Linears(b, model.weights, precision, wide=wide_blocks(model.config), native=native_matmul,
+                         pairs=pairs)
         proto = _build(model, b, linear, progress, attention)
     finally:
         b.close()

@@ -130,7 +130,8 @@ class Linears:
     `names` lists weights whose output rows are concatenated (q/k/v, gate/up):
     one wider matmul where their formats agree."""
 
-    def __init__(self, b: Builder, weights, precision: str, wide: bool = False, native: bool = False):
+    def __init__(self, b: Builder, weights, precision: str, wide: bool = False, native: bool = False,
+                 pairs: bool | None = None):
         """native: block-quantized weights run by our BlockMatMul where it covers their
         shape (backends/native/block_matmul.c: one row computed alike at any width),
         on the same inputs MatMulNBits would take."""
@@ -139,6 +140,7 @@ class Linears:
         if precision == "gguf" and not weights.has_blocks:
             raise ValueError("precision 'gguf' needs a GGUF model (it keeps the file's own blocks)")
         self.b, self.weights, self.precision, self.wide, self.native = b, weights, precision, wide, native
+        self._given_pairs = pairs  # GGUFMatMul's weight packing (None: the default build's)
 
     def float_weight(self, name: str) -> np.ndarray:
         return self.weights.get(name).numpy()
@@ -261,7 +263,9 @@ class Linears:
 
     @cached_property
     def _pairs(self) -> bool:
-        return gguf_pairs()
+        """The packing GGUFMatMul reads: as the lowering was told (export_onnx: the library
+        its options build), else the default build's."""
+        return gguf_pairs() if self._given_pairs is None else self._given_pairs
 
     def _nbits_blocks(self, x: str, blk: quant.Blocks) -> str:
         """The blocks as MatMulNBits' (or our BlockMatMul's) inputs."""

@@ -11,6 +11,7 @@ import numpy as np
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PrecisionInfo, resolve
 from hetero_sd.ir.cache import cache_root
 from hetero_sd.backends.graph_runner import GraphRunner
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.backends.ort_backend import export_onnx
 from hetero_sd.ir.model import ModelIR
 
@@ -49,6 +50,10 @@ def _precisions(device: str, caps: list[str]) -> tuple[PrecisionInfo, ...]:
 class OpenVINOBackend:
     name = "openvino"
     api_version = API_VERSION
+    takes_options = True
+
+    def __init__(self, options: BackendOptions = DEFAULT_OPTIONS):
+        self.options = options  # its runners' unless a load names its own
 
     def probe(self) -> list[DeviceInfo]:
         try:
@@ -67,17 +72,19 @@ class OpenVINOBackend:
         return devices
 
     def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
-             progress=None) -> "OpenVINORunner":
+             progress=None, options: BackendOptions | None = None) -> "OpenVINORunner":
+        """options: its padding (pad_single_row); the kernel keys are onnxruntime's."""
         info, prec = resolve(self.probe(), self.name, device, precision)
-        return OpenVINORunner(model, info, prec, kv_budget_bytes, progress)
+        return OpenVINORunner(model, info, prec, kv_budget_bytes, progress, options or self.options)
 
 
 class OpenVINORunner(GraphRunner):
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
-                 progress=None):
+                 progress=None, options: BackendOptions = DEFAULT_OPTIONS):
         import openvino as ov
 
-        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _COMPRESSED)
+        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _COMPRESSED,
+                         options=options)
         # OpenVINO's ONNX frontend reads MatMulNBits into u4/u8 constants with
         # scale and zero point (a decompression its CPU plugin fuses into the
         # matmul), so one lowering serves both runtimes, streamed to disk

@@ -17,10 +17,12 @@ from hetero_sd.ir.cache import cache_dir, cached
 from hetero_sd.backends.graph_runner import GraphRunner
 from hetero_sd.backends.graph_version import GRAPH_VERSION
 # native_fits from backends/native, not onnx_native: a warm start must not import onnx
-from hetero_sd.backends.native import MATMUL_ENV, gguf_pairs, kernel_available, library, matmul_policy, native_fits
+from hetero_sd.backends.native import gguf_pairs, kernel_available, library, native_fits
 from hetero_sd.backends.kernel_timing import CHOICE_VERSION, Choice, Timing, cached_choice, choose, time_runner, \
     write_choice
-from hetero_sd.backends.row_check import ENV as ROW_ENV, NO_EXACT, host_signature, padded
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
+from hetero_sd.backends.ort_kernels import GGUF_OURS, OURS, THEIRS, KernelChoice
+from hetero_sd.backends.row_check import NO_EXACT, host_signature, padded
 from hetero_sd.backends.ort_varlen import VarlenGraph
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir.model import ModelIR
@@ -46,8 +48,15 @@ def _cpu_precisions() -> tuple[PrecisionInfo, ...]:
 
 
 class OrtBackend:
+    """`options` (backends/options.py): the kernels, matmul policy and padding its runners
+    use unless a load names its own."""
+
     name = "onnxruntime"
     api_version = API_VERSION
+    takes_options = True
+
+    def __init__(self, options: BackendOptions = DEFAULT_OPTIONS):
+        self.options = options
 
     def probe(self) -> list[DeviceInfo]:
         try:
@@ -56,12 +65,12 @@ class OrtBackend:
             return []
         desc = f"onnxruntime {ort.__version__}"
         # which ops the one-sequence graph runs (a model may still not fit them)
-        native, why = kernel_available("matmul")
-        where = " always" if matmul_policy() == "always" else \
+        native, why = kernel_available("matmul", self.options)
+        where = " always" if self.options.native_matmul == "always" else \
             " or MatMulNBits, the faster exact path on this host (timed at a model's first load)"
         matmul = f"quantized matmul: our BlockMatMul (a GGUF's blocks: GGUFMatMul){where}" if native else \
             f"quantized matmul: MatMulNBits; BlockMatMul {why}"
-        native, why = kernel_available("attention")
+        native, why = kernel_available("attention", self.options)
         attention = "attention: our SlabAttention" if native else f"attention: gathered from the pool; SlabAttention {why}"
         devices = [DeviceInfo(self.name, "cpu", f"{desc} CPUExecutionProvider; {matmul}; {attention}",
                               _cpu_precisions(), "fp32")]
@@ -73,9 +82,9 @@ class OrtBackend:
         return devices
 
     def load(self, model: ModelIR, device: str, precision: str, kv_budget_bytes: int,
-             progress=None) -> "OrtRunner":
+             progress=None, options: BackendOptions | None = None) -> "OrtRunner":
         info, prec = resolve(self.probe(), self.name, device, precision)
-        return OrtRunner(model, info, prec, kv_budget_bytes, progress)
+        return OrtRunner(model, info, prec, kv_budget_bytes, progress, options or self.options)
 
 
 def session_options(threads: int, libraries=()):
@@ -97,13 +106,13 @@ def session_options(threads: int, libraries=()):
 
 
 def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = "slab",
-                native_matmul: bool = False, build: bool = True):
+                native_matmul: bool = False, build: bool = True, options: BackendOptions = DEFAULT_OPTIONS):
     """The model's ONNX file for this precision, built once and cached; the
     weights stream to an external file tensor by tensor (onnx_weights.py).
     attention: "slab" (one sequence, OpenVINO), "pool" (several per call, gathered from the
     pool, onnx_batch.py) or "native" (several per call, our SlabAttention on the pool in
     place, onnx_native.py); native_matmul: quantized linear layers by our BlockMatMul
-    (backends/native); build=False: only its path, built or not."""
+    (backends/native, built as `options` say); build=False: only its path, built or not."""
     from importlib.metadata import version
 
     import onnxruntime as ort
@@ -114,10 +123,12 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
         extra["batched"] = 1
     elif attention != "slab":
         extra["attention"] = attention
+    pairs = None
     if native_matmul:
         extra["matmul"] = "native"
         if precision == "gguf":  # weights packed for the library built here (gguf_pack.py)
-            extra["pairs"] = int(gguf_pairs())
+            pairs = gguf_pairs(options)
+            extra["pairs"] = int(pairs)
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)
     folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
@@ -127,7 +138,8 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
         if progress is not None:
             kind = {"pool": " (attention gathered from the pool)", "native": " (SlabAttention)"}.get(attention, "")
             progress(0, 0, f"lowering to ONNX{kind}, {precision} weights (once; cached)")
-        build_llama_onnx(model, precision, path, progress, attention=attention, native_matmul=native_matmul)
+        build_llama_onnx(model, precision, path, progress, attention=attention, native_matmul=native_matmul,
+                         pairs=pairs)
 
     return cached(folder, "model.onnx", lower) if build else folder / "model.onnx"
 
@@ -152,12 +164,14 @@ class OrtRunner(GraphRunner):
     max_batch = 32  # sequences per call: the server's running set (split above this)
 
     def __init__(self, model: ModelIR, info: DeviceInfo, precision: PrecisionInfo, kv_budget_bytes: int,
-                 progress=None):
-        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED)
+                 progress=None, options: BackendOptions = DEFAULT_OPTIONS):
+        super().__init__(model, info, precision, kv_budget_bytes, pad_single_row=precision.name in _QUANTIZED,
+                         options=options)
         self._varlen: VarlenGraph | None = None
         self._session = None
         self._progress = progress
         self._native_matmul = False  # BlockMatMul for the quantized layers (_graph_kind)
+        self._kernels = KernelChoice("")  # what the graph runs and why (_graph_kind, _load)
         self._open_native: bool | None = None  # the open graph's matmuls: ours, MatMulNBits', none open
         self._load(self._graph_kind() if info.device == "cpu" else "pool")
 
@@ -165,17 +179,16 @@ class OrtRunner(GraphRunner):
         """Our SlabAttention where it covers the model and compiles here (onnx_native.py),
         else attention gathered from the pool; quantized linear layers by our BlockMatMul
         where it is on and compiles here (backends/native), else MatMulNBits.
-        kernel_choice says which and why."""
+        kernel_choice says which and why (rendered from self._kernels)."""
         fits, why = native_fits(self._model.config)
         if fits:
-            fits, why = kernel_available("attention")
-        self._kernel_note = "attention by our SlabAttention, compiled for this host" if fits else \
-            f"attention gathered from the pool (SlabAttention: {why})"
+            fits, why = kernel_available("attention", self.options)
+        self._kernels = KernelChoice.of(fits, why)
         if self.precision.name in _QUANTIZED:
-            self._native_matmul, why = kernel_available("matmul")
-            ours = " and GGUFMatMul" if self.precision.name == "gguf" else ""
-            self._kernel_note += f", quantized matmuls by our BlockMatMul{ours}" if self._native_matmul else \
-                f", quantized matmuls by MatMulNBits (BlockMatMul: {why})"
+            self._native_matmul, why = kernel_available("matmul", self.options)
+            ours = GGUF_OURS if self.precision.name == "gguf" else OURS
+            self._kernels = self._kernels.matmuls(ours) if self._native_matmul else \
+                self._kernels.matmuls(THEIRS, f"BlockMatMul: {why}")
         return "native" if fits else "pool"
 
     def _load(self, attention: str) -> None:
@@ -189,12 +202,12 @@ class OrtRunner(GraphRunner):
         0.85x ours), the 1.5B int4 (blocks of 128, odd calls padded) by ours (0.92-1.00x
         against 0.87x); precision gguf by ours (the 1.5B's Q4_K_M 0.89-0.95x against
         MatMulNBits' 0.56x, whose Q4_K minimums need a side matmul).
-        HETERO_SD_NATIVE_MATMUL=always runs ours without timing (tests, experiments)."""
+        options.native_matmul: always runs ours without timing (tests, experiments)."""
         if not self._native_matmul:
             self._open_graph(attention, native_matmul=False)
             return
-        if matmul_policy() == "always":
-            self._kernel_note += f" ({MATMUL_ENV}=always)"
+        if self.options.native_matmul == "always":
+            self._kernels = self._kernels.matmuls(self._kernels.matmul, "native_matmul: always")
             self._open_graph(attention, native_matmul=True)
             return
         ours = "GGUFMatMul" if self.precision.name == "gguf" else "BlockMatMul"
@@ -203,21 +216,18 @@ class OrtRunner(GraphRunner):
         if choice is None:
             theirs = self._their_padding(attention)
             if theirs == NO_EXACT:
-                self._kernel_note += f" (MatMulNBits: {NO_EXACT} on this host)"
+                self._kernels = self._kernels.matmuls(self._kernels.matmul, f"MatMulNBits: {NO_EXACT} on this host")
                 self._open_graph(attention, native_matmul=True)
                 return
             choice = self._time_both(attention, ours, folder)
-        if choice.chosen == ours:
-            self._kernel_note += f" (the faster exact path, {choice.describe()})"
-            if self._open_native is not True:
-                self._open_graph(attention, native_matmul=True)
-            else:
-                self._note_graph()
-            return
-        self._kernel_note = self._kernel_note.split(", quantized matmuls by")[0] + \
-            f", quantized matmuls by MatMulNBits (the faster exact path, {choice.describe()})"
-        if self._open_native is not False:
-            self._open_graph(attention, native_matmul=False)
+        self._open_chosen(attention, choice, choice.chosen == ours)
+
+    def _open_chosen(self, attention: str, choice: Choice, native: bool) -> None:
+        """Run the timed choice's graph (ours where `native`), opening it unless it is open."""
+        why = f"the faster exact path, {choice.describe()}"
+        self._kernels = self._kernels.matmuls(self._kernels.matmul if native else THEIRS, why)
+        if self._open_native is not native:
+            self._open_graph(attention, native_matmul=native)
         else:
             self._note_graph()
 
@@ -243,13 +253,13 @@ class OrtRunner(GraphRunner):
 
     def _choice_folder(self, attention: str):
         """Keyed on the model's files, precision and lowering, both runtimes, the host and
-        a forced padding (row_check.ENV), but not on the graph's extra outputs: the same
+        a forced padding (options.pad_single_row), but not on the graph's extra outputs: the same
         target with and without feature outputs (a head drafter's, and target-only
         decoding) must run the same kernel, so that their logits are bitwise the same."""
         runtimes = [self._runtime(n, attention)[1] for n in (False, True)]
         return cache_dir("kernel-choice", self._model, version=CHOICE_VERSION, host=host_signature(),
                          graph=GRAPH_VERSION, precision=self.precision.name, attention=attention,
-                         runtimes=runtimes, forced=os.environ.get(ROW_ENV, ""))
+                         runtimes=runtimes, forced=_forced_key(self.options))
 
     def _close_session(self) -> None:
         self._session = self._varlen = self._open_native = None
@@ -273,14 +283,14 @@ class OrtRunner(GraphRunner):
 
     def _graph_path(self, attention: str, native_matmul: bool, build: bool = True):
         return export_onnx(self._model, self.precision.name, self._progress, attention=attention,
-                           native_matmul=native_matmul, build=build)
+                           native_matmul=native_matmul, build=build, options=self.options)
 
     def _runtime(self, native_matmul: bool, attention: str) -> tuple:
         """(our compiled library or none, the runtime string the row check keys on: the
         verdict is the graph's and its kernels', our op's build too, its folder names its hash)."""
         import onnxruntime as ort
 
-        libraries = (library("matmul" if native_matmul else "attention"),) \
+        libraries = (library("matmul" if native_matmul else "attention", self.options),) \
             if native_matmul or attention == "native" else ()
         built = "".join(f" {lib.parent.name}" for lib in libraries)
         return libraries, f"onnxruntime {ort.__version__} {self.device.device}{built}"
@@ -294,15 +304,14 @@ class OrtRunner(GraphRunner):
         features = len(self.feature_layers) * self._model.config.hidden_size
         self._varlen = VarlenGraph(self._session, self._pool, self.vocab_size, features) \
             if attention == "native" else None
-        self.kernel_choice = ""
+        self._graph_note = self._padding_note = ""
         self._padding = "pairs" if self._checks_rows else "none"  # each graph is checked on its own
         self.settle_padding(path, runtime)
         if note:
             self._note_graph()
 
     def _note_graph(self) -> None:
-        graph = f"{self._kernel_note}, any sequences a call"
-        self.kernel_choice = f"{graph}; {self.kernel_choice}" if self.kernel_choice else graph
+        self._graph_note = f"{self._kernels.describe()}, any sequences a call"
 
     def allocate(self, capacity: int) -> int:
         # a padded call (row_check.py) writes its extra row's K/V one slot past the sequence
@@ -340,3 +349,9 @@ class OrtRunner(GraphRunner):
             raise ValueError(f"sequence {dst} is not empty")
         with self._alloc.writing(dst, 0, length):
             self._slabs[dst][:, :, :, :length] = self._slabs[src][:, :, :, :length]
+
+
+def _forced_key(options: BackendOptions) -> str:
+    """The forced padding as the kernel choice's cache key names it ("": none forced,
+    the key of every cached choice made without one)."""
+    return options.forced_padding or ""

@@ -4,22 +4,27 @@ import, declares another API version, lacks the Backend methods or whose probe
 raises is recorded as broken (with the reason and its package), never fatal.
 
 A backend that is not installed as a package (one being written, or the fake
-backend of hetero_sd.testing) is named in the environment instead, and reaches
-worker processes the same way:
+backend of hetero_sd.testing) is named in the backend options instead
+(BackendOptions.plugins; a config's `options.plugins`, or $HETERO_SD_BACKENDS read
+when the config loads), and reaches worker processes with its spec:
 
-    HETERO_SD_BACKENDS="fake=hetero_sd.testing.fake_backend:FakeBackend,mine=my_pkg.backend:MyBackend"
+    options: {plugins: ["fake=hetero_sd.testing.fake_backend:FakeBackend", "mine=my_pkg.backend:MyBackend"]}
+
+A backend class that declares `takes_options = True` (backends/base.py) is
+constructed with the registry's BackendOptions, and `load_runner` passes a load's
+own to its `load`; one that does not (a plugin written before them) gets neither.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from hetero_sd.backends.base import API_VERSION, API_VERSIONS, Backend
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.ir.errors import BackendError
 
 GROUP = "hetero_sd.backends"
-ENV = "HETERO_SD_BACKENDS"  # comma-separated name=module:Class, loaded like plugins
+PLUGINS_KEY = "options.plugins"  # how a broken entry of BackendOptions.plugins is named
 BUILTINS = {"torch": "hetero_sd.backends.torch_backend:TorchBackend",
             "onnxruntime": "hetero_sd.backends.ort_backend:OrtBackend",
             "openvino": "hetero_sd.backends.openvino_backend:OpenVINOBackend",
@@ -44,9 +49,27 @@ def _load(spec: str):
     return getattr(obj, attr)
 
 
-def load_builtin(name: str) -> Backend:
+def takes_options(backend) -> bool:
+    """Its declaration (Backend.takes_options, backends/base.py): False where a backend
+    (a plugin written before the options) declares nothing, as for api_version."""
+    return getattr(backend, "takes_options", False) is True
+
+
+def _construct(cls, options: BackendOptions):
+    """An instance of a backend class, given `options` where it declares it takes them."""
+    return cls(options=options) if takes_options(cls) else cls()
+
+
+def load_runner(backend, model, device: str, precision: str, kv_budget_bytes: int, progress=None,
+                options: BackendOptions = DEFAULT_OPTIONS):
+    """backend.load, with `options` where the backend declares it takes them."""
+    extra = {"options": options} if takes_options(backend) else {}
+    return backend.load(model, device, precision, kv_budget_bytes, progress=progress, **extra)
+
+
+def load_builtin(name: str, options: BackendOptions = DEFAULT_OPTIONS) -> Backend:
     """A fresh instance of the built-in backend `name` (a key of BUILTINS)."""
-    return _load(BUILTINS[name])()
+    return _construct(_load(BUILTINS[name]), options)
 
 
 def _instantiate(name: str, factory, registry: Registry, origin: str = "", probe: bool = False) -> None:
@@ -74,21 +97,23 @@ def _origin(ep) -> str:
     return f"[{dist.name} {dist.version}, {ep.value}] " if dist is not None else f"[{ep.value}] "
 
 
-def discover() -> Registry:
+def discover(options: BackendOptions = DEFAULT_OPTIONS) -> Registry:
+    """Every backend here, built-ins and installed plugins, and those options.plugins
+    names; each constructed with `options` where it takes them."""
     registry = Registry()
     found = {ep.name: ep for ep in entry_points(group=GROUP)}
     for name, spec in BUILTINS.items():
         if name not in found:  # running from a source tree without installed metadata
-            _instantiate(name, lambda spec=spec: _load(spec)(), registry)
+            _instantiate(name, lambda spec=spec: _construct(_load(spec), options), registry)
     for name, ep in found.items():
         builtin = BUILTINS.get(name) == ep.value
-        _instantiate(name, lambda ep=ep: ep.load()(), registry,
+        _instantiate(name, lambda ep=ep: _construct(ep.load(), options), registry,
                      origin="" if builtin else _origin(ep), probe=not builtin)
-    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+    for item in filter(None, (part.strip() for part in options.plugins)):
         name, _, spec = item.partition("=")
         if not name or ":" not in spec:
-            registry.broken[name or item] = f"[{ENV}] {item!r} is not name=module:Class"
+            registry.broken[name or item] = f"[{PLUGINS_KEY}] {item!r} is not name=module:Class"
             continue
-        _instantiate(name.strip(), lambda spec=spec.strip(): _load(spec)(), registry,
-                     origin=f"[{ENV}: {spec.strip()}] ", probe=True)
+        _instantiate(name.strip(), lambda spec=spec.strip(): _construct(_load(spec), options), registry,
+                     origin=f"[{PLUGINS_KEY}: {spec.strip()}] ", probe=True)
     return registry

@@ -22,8 +22,9 @@ padded as the candidate says; every row must equal its reference, bit for bit.
 Random tokens make every logit of every layer a witness: a kernel whose
 summation order differs for a row shows it in the last bits of almost every
 output. pairs is exact wherever single or none is (it only adds even calls), so
-it is the padding forced by HETERO_SD_PAD_SINGLE_ROW=1; 0 forces none, and the
-names none/single/pairs force that one (tests and experiments). No exact
+it is the padding forced by pad_single_row: 1 (BackendOptions.pad_single_row, a
+config's `options.pad_single_row`); 0 forces none, and the names none/single/pairs
+force that one (tests and experiments). No exact
 padding at all is an error, never a silent fallback; that verdict is cached too
 (a later load raises it at once instead of checking for seconds again; the
 onnxruntime runner then runs our own matmul). The verdict is cached
@@ -43,14 +44,13 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero_sd.backends.options import PADDINGS
 from hetero_sd.ir.errors import BackendError
 
-ENV = "HETERO_SD_PAD_SINGLE_ROW"
 CHECK_VERSION = 2  # bumped when the check itself changes: old verdicts miss
 CONTEXTS = (5, 37)  # prefix lengths the rows are scored after
 ROWS = 16  # rows scored per context: once in one call (the reference), then in calls of WIDTHS
 WIDTHS = (1, 2, 3, 5)
-PADDINGS = ("none", "single", "pairs")  # cheapest first
 _FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
           "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
 NO_EXACT = "no padding is exact"
@@ -106,21 +106,20 @@ def host_signature() -> dict:
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
-def _forced() -> Verdict | None:
-    value = os.environ.get(ENV, "").strip()
-    padding = {"1": "pairs", "0": "none"}.get(value, value)
+def _forced(padding: str | None) -> Verdict | None:
+    """The verdict a forced padding (BackendOptions.forced_padding) gives; None: not forced."""
     if padding in PADDINGS:
-        return Verdict(padding, "forced", f"{ENV}={value}")
+        return Verdict(padding, "forced", f"pad_single_row: {padding}")
     return None
 
 
 INEXACT = "inexact"  # the cached verdict where no padding is exact
 
 
-def cached_verdict(cache_folder: Path | None) -> Verdict | None:
-    """The override's verdict, or the one cached in `cache_folder`; None: only a check can
-    tell. Raises BackendError where the cached check found no padding exact."""
-    forced = _forced()
+def cached_verdict(cache_folder: Path | None, forced_padding: str | None = None) -> Verdict | None:
+    """The forced padding's verdict, or the one cached in `cache_folder`; None: only a check
+    can tell. Raises BackendError where the cached check found no padding exact."""
+    forced = _forced(forced_padding)
     if forced is not None:
         return forced
     got = _read(cache_folder)
@@ -154,12 +153,12 @@ def _write(cache_folder: Path | None, padding: str, detail: str, label: str) -> 
     os.replace(tmp, path)
 
 
-def settle(runner, cache_folder: Path | None, label: str = "") -> Verdict:
+def settle(runner, cache_folder: Path | None, label: str = "", forced_padding: str | None = None) -> Verdict:
     """The verdict for `runner` (a graph runner whose calls are unpadded while this
-    runs), from the override, the cache, or a check now: the cheapest exact padding.
+    runs), from `forced_padding`, the cache, or a check now: the cheapest exact padding.
     `label` names the model and placement in the cache entry (hetero-sd devices lists
     them). Raises BackendError where no padding makes the rows round alike."""
-    known = cached_verdict(cache_folder)
+    known = cached_verdict(cache_folder, forced_padding)
     if known is not None:
         return known
     t0 = time.perf_counter()

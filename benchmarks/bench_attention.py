@@ -1,6 +1,6 @@
 """SlabAttention against the graph that gathers attention from the pool (what a host
 runs where ours cannot build or cover the model): one model loaded twice in one process
-(HETERO_SD_NATIVE=matmul,attention and matmul: our BlockMatMul either way), calls of
+(backend options native: matmul,attention and matmul: our BlockMatMul either way), calls of
 1..9 rows at several context lengths and a 512-token prefill, interleaved round by
 round.
 
@@ -19,21 +19,20 @@ import time
 
 import numpy as np
 
-from hetero_sd.backends.native import ENV
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.config import resolve_model
 from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.loading import Loader
-
-from bench_vs_llamacpp import environment  # noqa: E402  (one way to switch a load's env)
 
 CONTEXTS, WIDTHS, CALLS = (64, 300, 1000), (1, 2, 3, 5, 9), 8
 
 
 def load(model: str, precision: str) -> dict:
     runners = {}
-    for name, flag in (("gathered", "matmul"), ("SlabAttention", "matmul,attention")):
-        with environment({ENV: flag}):
-            runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target"))
+    for name, kernels in (("gathered", ("matmul",)), ("SlabAttention", ("matmul", "attention"))):
+        options = BackendOptions(native=kernels)
+        runners[name] = Loader()(ModelSpec(model, "onnxruntime", "cpu", precision, 512 << 20, "target",
+                                           options=options))
         print(f"{name}: {runners[name].kernel_choice}", flush=True)
     return runners
 

@@ -17,8 +17,8 @@ target's verify curve. Ours:
 - verify curve: V(k+1) / V(1) for k = 0..8 at a context of 300 tokens, the
   runner's one-token call (padded or not, as its row check decided) as V(1).
 Every target loads with the defaults; `--padded` loads it again with one-token
-calls forced padded (HETERO_SD_PAD_SINGLE_ROW=1), so the cost of the padding
-shows in the same run; each `--native KERNELS` again with HETERO_SD_NATIVE=KERNELS
+calls forced padded (backend options pad_single_row: pairs), so the cost of the padding
+shows in the same run; each `--native KERNELS` again with options native: KERNELS
 (which of our own ops run, backends/native: 0 for onnxruntime's alone, 1 for
 all), so the kernels compare side by side. The build of llama.cpp:
 docs/benchmarks.md. Not a test: speed is measured, never asserted.
@@ -26,12 +26,11 @@ docs/benchmarks.md. Not a test: speed is measured, never asserted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from hetero_sd.bench.llamacpp_tools import llama_bench, threads  # noqa: E402  (one way to run llama-bench)
@@ -40,34 +39,19 @@ CONTEXT = 300  # verify curve: positions before the scored rows
 K_MAX = 8
 
 
-@contextmanager
-def environment(env: dict[str, str]):
-    """`env` set for the block, then put back: a runner reads its row check's and its
-    attention's switches while it loads."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def load_target(model: Path, placement: str, env: dict[str, str]):
+def load_target(model: Path, placement: str, options: dict):
+    """The target at `placement` loaded with the backend options' fields `options`."""
+    from hetero_sd.backends.options import BackendOptions
     from hetero_sd.engine import Engine
     from hetero_sd.ir import load_model_ir
     from hetero_sd.loading import Loader
     from hetero_sd.drafting.specs import ModelSpec
 
     backend, device, precision, *graph = placement.split(":")
+    chosen = BackendOptions(**options)
     if graph == ["pool"]:  # the graph a host without our SlabAttention runs (attention gathered from the pool)
-        from hetero_sd.backends.native import ENV as NATIVE_ENV
-        env = {**env, NATIVE_ENV: "matmul"}
-    with environment(env):
-        runner = Loader()(ModelSpec(str(model), backend, device, precision, 512 << 20, "target"))
+        chosen = dataclasses.replace(chosen, native=("matmul",))
+    runner = Loader()(ModelSpec(str(model), backend, device, precision, 512 << 20, "target", options=chosen))
     ir = load_model_ir(model)
     tok = ir.load_tokenizer()
     # no eos_ids: every run makes exactly the tokens asked for, as llama-bench does
@@ -121,20 +105,21 @@ def verify_curve(runner, seed: int, context: int = CONTEXT, repeats: int = 5) ->
 
 
 def run(args) -> dict:
-    from hetero_sd.backends import native, row_check
+    from hetero_sd.backends import row_check
+    from hetero_sd.backends.options import parse_native
     from hetero_sd.bench.prompts import load_prompts
     from hetero_sd.config import resolve_model
 
     model = resolve_model(args.model, None)
     variants = {"": {}}  # the defaults
     if args.padded:
-        variants[" padded"] = {row_check.ENV: "1"}
+        variants[" padded"] = {"pad_single_row": "pairs"}
     for kernels in args.native or ():
-        variants[f" {native.ENV}={kernels}"] = {native.ENV: kernels}
+        variants[f" native={kernels}"] = {"native": parse_native(kernels)}
     targets = {}
     for placement in args.target:
-        for suffix, env in variants.items():
-            targets[placement + suffix] = load_target(model, placement, env)
+        for suffix, options in variants.items():
+            targets[placement + suffix] = load_target(model, placement, options)
     prompts = [p.prompt for p in load_prompts(None)]
     figures = {"llama.cpp": {"decode": [], "prefill": []}}
     for name in targets:
@@ -197,7 +182,7 @@ def parse_args(argv):
     p.add_argument("--context", type=int, default=CONTEXT, help="tokens before the verify curve's rows")
     p.add_argument("--padded", action="store_true", help="each target also with one-token calls forced padded")
     p.add_argument("--native", action="append", metavar="KERNELS",
-                   help="each target also with HETERO_SD_NATIVE=KERNELS (repeatable): which of our own ops "
+                   help="each target also with backend options native: KERNELS (repeatable): which of our own ops "
                         "(backends/native) run, e.g. 0 (none: onnxruntime's), matmul (the default), 1 (all)")
     p.add_argument("--json", type=Path, help="write the report here too")
     args = p.parse_args(argv)

@@ -24,6 +24,7 @@ from hetero_sd.loading import Loader
 from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
                                  replan, replan_if_drifted)
+from hetero_sd.options import config_options
 from hetero_sd.spec import EngineSpec, draft_min_prob, model_path, suffix_spec
 
 
@@ -34,7 +35,8 @@ def _pinned(section, load: Loader) -> Placement | None:
     device = section.device if "device" in given and section.device != "auto" else "auto"
     precision = section.precision if "precision" in given and section.precision != "auto" else "auto"
     if backend != "auto" and device != "auto":
-        info, prec = load.check(ModelSpec("", section.backend, section.device, section.precision, role="placement"))
+        info, prec = load.check(ModelSpec("", section.backend, section.device, section.precision, role="placement",
+                                          options=load.options))
         device = info.device
         precision = prec.name if precision != "auto" else "auto"
     if (backend, device, precision) == ("auto", "auto", "auto"):
@@ -132,7 +134,7 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
                          workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
                          backends=cfg.auto.backends or None, precisions=cfg.auto.precisions or None,
                          quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=load.progress,
-                         registry=load.registry)
+                         registry=load.registry, options=load.options)
 
     draft_path = None
     try:
@@ -146,7 +148,8 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
         plan = planned(None, Constraints(_pinned(cfg.target, load), drafter="none"))
 
     def model_spec(path: str, placement: Placement, role: str) -> ModelSpec:
-        return ModelSpec(path, placement.backend, placement.device, placement.precision, cfg.memory.kv_budget, role)
+        return ModelSpec(path, placement.backend, placement.device, placement.precision, cfg.memory.kv_budget, role,
+                         options=config_options(cfg))
 
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":

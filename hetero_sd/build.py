@@ -21,6 +21,7 @@ from hetero_sd.drafting.build import build_drafter
 from hetero_sd.drafting.specs import WorkerSpec, model_specs, translated
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading import Loader
+from hetero_sd.options import config_options
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
 from hetero_sd.spec import EngineSpec, ray_worker, release_places, reserve_places, spec_from_config
 
@@ -80,7 +81,8 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
     """Keyword arguments for Engine(...): everything the config describes, built.
     target_only: the target alone; no drafter is built (no draft model, no worker). With
     placement: auto it is the full plan's target (auto.plan_engine), manual: the section's."""
-    load = Loader(discover(), progress=progress)  # every backend, plugins included, and why any is broken
+    options = config_options(cfg)  # the backends' switches (hetero_sd/options.py)
+    load = Loader(discover(options), progress=progress, options=options)  # every backend, plugins included
     plan = fallback = None
     if cfg.placement == "auto":
         spec, policy, fallback, plan = plan_engine(cfg, load, target_only=target_only)

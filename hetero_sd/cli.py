@@ -96,8 +96,12 @@ def _devices(args) -> int:
     from rich.table import Table
 
     from hetero_sd.backends.registry import discover
+    from hetero_sd.config import load_config
+    from hetero_sd.options import config_options
 
-    registry = discover()
+    # the backend options a config gives (with --config), else the defaults and the
+    # environment's switches (read by load_config, as for every command)
+    registry = discover(config_options(load_config(args.config)))
     table = Table(title="hetero-sd backends and devices on this host")
     for col in ("backend", "device", "description", "precisions (default*, exact=batch-invariant)"):
         table.add_column(col)
@@ -230,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     dev = sub.add_parser("devices", help="list backends, devices and precisions on this host")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    dev.add_argument("--config", help="YAML config whose `options:` the backends are probed with "
+                     "(default: the packaged configs/cpu.yaml)")
     dev.set_defaults(func=_devices)
     mod = sub.add_parser("models", help="list the named models a config's `model:` accepts, and the model families that load",
                          description="Named models: where they come from (pip packages), whether they are "

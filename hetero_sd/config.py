@@ -5,6 +5,7 @@ Every error names the file, the key path and what is allowed.
 from __future__ import annotations
 
 import importlib.resources
+import os
 import re
 import types
 import typing
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hetero_sd.cluster.sections import RaySection, TargetRaySection, check_ray
 from hetero_sd.errors import ConfigError
+from hetero_sd.options import OptionsSection, with_env_defaults
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
 
 PACKAGED = Path(str(importlib.resources.files("hetero_sd.configs")))  # configs/ in the source tree
@@ -200,6 +202,8 @@ class Config(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     auto: AutoConfig = Field(default_factory=AutoConfig)
+    # the backends' switches for every model: kernels, padding, plugins (hetero_sd/options.py)
+    options: OptionsSection = Field(default_factory=OptionsSection)
     source: str = Field("<defaults>", exclude=True)  # the file it came from, for messages
 
 
@@ -274,7 +278,10 @@ def _merge(data: dict, overrides: dict, path: Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: dict | None = None, environ=None) -> Config:
+    """The config at `path` (None: the packaged default), `overrides` applied; the old
+    HETERO_SD_* switches in `environ` (default: os.environ, read here and only here) are
+    defaults of its `options:` section."""
     path = Path(path) if path is not None else PACKAGED / "cpu.yaml"
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -289,7 +296,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if "source" in data:
         raise ConfigError(f"{path}: source: unknown key; allowed: "
                           f"{', '.join(k for k in Config.model_fields if k != 'source')}")
-    data = _merge(data, overrides or {}, path)
+    data = with_env_defaults(_merge(data, overrides or {}, path), os.environ if environ is None else environ, path)
     try:
         cfg = Config(**data, source=str(path))
     except ValidationError as exc:

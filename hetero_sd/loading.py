@@ -6,7 +6,8 @@
 
 A Loader reads each model file's IR once, so a target and a draft on the same
 file share it. The engine's builder, placement: auto and worker processes all
-load through it.
+load through it. Each spec's backend options (ModelSpec.options) go to its load;
+without a registry given, backends are discovered per options (plugins included).
 """
 from __future__ import annotations
 
@@ -14,31 +15,41 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hetero_sd.backends.base import DeviceInfo, PrecisionInfo, RequiredOnly, Runner, resolve
-from hetero_sd.backends.registry import BUILTINS, Registry, discover, load_builtin
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
+from hetero_sd.backends.registry import BUILTINS, Registry, discover, load_builtin, load_runner
 from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.errors import BackendError, describe
 from hetero_sd.ir.model import ModelIR, load_model_ir
 
 
 class Loader:
-    def __init__(self, registry: Registry | None = None, progress: bool = False):
-        self._registry, self.progress = registry, progress
+    def __init__(self, registry: Registry | None = None, progress: bool = False,
+                 options: BackendOptions = DEFAULT_OPTIONS):
+        self._registry, self.progress, self.options = registry, progress, options
+        self._discovered: dict[BackendOptions, Registry] = {}
         self._irs: dict[Path, ModelIR] = {}
         self._tokenizers: dict[Path, object] = {}  # read once: a build asks for each several times
 
     @property
     def registry(self) -> Registry:
-        if self._registry is None:
-            self._registry = discover()
-        return self._registry
+        return self.registry_for(self.options)
 
-    def backend(self, name: str):
+    def registry_for(self, options: BackendOptions) -> Registry:
+        """The registry given, else backends discovered with `options` (once per options)."""
+        if self._registry is not None:
+            return self._registry
+        if options not in self._discovered:
+            self._discovered[options] = discover(options)
+        return self._discovered[options]
+
+    def backend(self, name: str, options: BackendOptions | None = None):
+        options = self.options if options is None else options
         if self._registry is None and name in BUILTINS:  # a worker: import only the backend it needs
             try:
-                return load_builtin(name)
+                return load_builtin(name, options)
             except Exception as exc:  # its runtime is missing or broken here
                 raise BackendError(f"backend {name!r} cannot be used here: {describe(exc)}") from exc
-        return self.registry.get(name)
+        return self.registry_for(options).get(name)
 
     def ir(self, model: str | Path) -> ModelIR:
         path = Path(model).resolve()
@@ -64,7 +75,8 @@ class Loader:
     def check(self, spec: ModelSpec) -> tuple[DeviceInfo, PrecisionInfo]:
         """Backend, device and precision exist here (cheap: probes only, loads nothing)."""
         try:
-            return resolve(self.backend(spec.backend).probe(), spec.backend, spec.device, spec.precision)
+            return resolve(self.backend(spec.backend, spec.options).probe(), spec.backend, spec.device,
+                           spec.precision)
         except BackendError as exc:
             raise BackendError(f"{spec.role}: {exc}") from None
 
@@ -73,9 +85,9 @@ class Loader:
         with _progress(self.progress, f"loading {spec.role} on {spec.backend}:{info.device} {precision.name}"
                        ) as progress:
             model = self.ir(spec.model).with_output_vocab(spec.vocab).with_features(spec.features or None)
-            backend = self.backend(spec.backend)
-            runner = _contract(backend, backend.load(model, info.device, precision.name, spec.kv_budget,
-                                                     progress=progress))
+            backend = self.backend(spec.backend, spec.options)
+            runner = _contract(backend, load_runner(backend, model, info.device, precision.name, spec.kv_budget,
+                                                    progress, spec.options))
         if spec.features and tuple(runner.feature_layers) != tuple(spec.features):
             # a backend that ignores the model's feature layers (a plugin written before them)
             raise BackendError(f"{spec.role}: backend {spec.backend!r} cannot return hidden states "

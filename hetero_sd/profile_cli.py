@@ -54,6 +54,7 @@ def _models(cfg) -> tuple[Path, Path | None]:
 def run(args) -> int:
     from hetero_sd.config import load_config
     from hetero_sd.errors import ConfigError
+    from hetero_sd.options import config_options
     from hetero_sd.profiler import ProfileSettings, build_problem, profile_models
     from hetero_sd.scheduler import plan
 
@@ -67,7 +68,7 @@ def run(args) -> int:
     settings = ProfileSettings.quick(k_max or 4) if args.quick else ProfileSettings(k_max=k_max or 8)
     report = profile_models([target] + ([draft] if draft else []), _csv(args.backends), _csv(args.precisions),
                             settings, refresh=args.refresh, progress=args.progress or sys.stderr.isatty(),
-                            kv_budget=cfg.memory.kv_budget)
+                            kv_budget=cfg.memory.kv_budget, options=config_options(cfg))
     roles = {str(target): "target"}
     if draft is not None:
         roles[str(draft)] = _draft_role(draft, target)
@@ -143,7 +144,7 @@ def _kernel(choice: str) -> str:
         return ""
     matmul = next((f"{name}, " for said, name in _MATMULS if said in choice), "")
     short = "unpadded" if "unpadded" in choice else "odd calls padded" if "odd-width" in choice else "padded"
-    return matmul + short + (" (forced)" if "forced" in choice or "HETERO_SD_PAD" in choice else "")
+    return matmul + short + (" (forced)" if "forced" in choice or "pad_single_row" in choice else "")
 
 
 def _print_table(report, roles: dict) -> None:

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hetero_sd.ir.cache import cache_root, model_identity
-from hetero_sd.backends.registry import Registry, discover
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
+from hetero_sd.backends.registry import Registry, discover, load_runner
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.model import load_model_ir
 from hetero_sd.scheduler import Constraints, CostCurve, DeviceProfile, DraftOption, Placement, Problem
@@ -233,11 +234,13 @@ def available_placements(registry: Registry) -> str:
 
 def profile_models(models: list[Path], backends: list[str] | None = None, precisions: list[str] | None = None,
                    settings: ProfileSettings = ProfileSettings(), refresh: bool = False, progress: bool = False,
-                   kv_budget: int = 64 * 2**20, registry: Registry | None = None) -> ProfileReport:
-    """Profile each model on every matching placement (cached unless refresh)."""
+                   kv_budget: int = 64 * 2**20, registry: Registry | None = None,
+                   options: BackendOptions = DEFAULT_OPTIONS) -> ProfileReport:
+    """Profile each model on every matching placement (cached unless refresh), loaded
+    with the backend options `options` (a config's)."""
     from tqdm import tqdm
 
-    registry = registry or discover()
+    registry = registry or discover(options)
     places = _placements(registry, backends, precisions)
     host = host_identity()
     irs = [load_model_ir(m) for m in dict.fromkeys(Path(m).resolve() for m in models)]
@@ -253,7 +256,8 @@ def profile_models(models: list[Path], backends: list[str] | None = None, precis
                 entry = None if refresh else _read_cache(path)
                 if entry is None:
                     try:
-                        entry = _measure(registry, ir, placement, prec.batch_invariant, settings, kv_budget)
+                        entry = _measure(registry, ir, placement, prec.batch_invariant, settings, kv_budget,
+                                         options)
                     except Exception as exc:  # one broken placement must not stop the others
                         failures.append({"model": ir.source.name, "model_path": str(ir.source.resolve()),
                                          "placement": str(placement),
@@ -269,8 +273,9 @@ def profile_models(models: list[Path], backends: list[str] | None = None, precis
 
 
 def _measure(registry: Registry, ir, placement: Placement, exact: bool, settings: ProfileSettings,
-             kv_budget: int) -> ProfileEntry:
-    runner = registry.get(placement.backend).load(ir, placement.device, placement.precision, kv_budget)
+             kv_budget: int, options: BackendOptions = DEFAULT_OPTIONS) -> ProfileEntry:
+    runner = load_runner(registry.get(placement.backend), ir, placement.device, placement.precision, kv_budget,
+                         options=options)
     figures = measure_runner(runner, settings)
     return ProfileEntry(ir.source.name, str(ir.source.resolve()), placement.backend, placement.device,
                         placement.precision, exact, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -297,7 +302,8 @@ def auto_plan(target_model: Path | str, draft_model: Path | str | None = None, *
               constraints: Constraints = Constraints(), acceptance: dict[str, float] | None = None,
               k_max: int = 8, workload=None, backends: list[str] | None = None,
               precisions: list[str] | None = None, quick: bool = False, kv_budget: int = 64 * 2**20,
-              progress: bool = False, registry: Registry | None = None):
+              progress: bool = False, registry: Registry | None = None,
+              options: BackendOptions = DEFAULT_OPTIONS):
     """`placement: auto` in one call: profile every placement (cached: only the
     first run on a host pays), then plan under the constraints."""
     from hetero_sd.scheduler import plan
@@ -305,5 +311,5 @@ def auto_plan(target_model: Path | str, draft_model: Path | str | None = None, *
     settings = ProfileSettings.quick(k_max) if quick else ProfileSettings(k_max=k_max)
     models = [target_model] + ([draft_model] if draft_model is not None else [])
     report = profile_models(models, backends, precisions, settings, progress=progress, kv_budget=kv_budget,
-                            registry=registry)
+                            registry=registry, options=options)
     return plan(build_problem(report, target_model, draft_model, acceptance, k_max, constraints, workload))

@@ -19,6 +19,7 @@ from hetero_sd.config import Config, resolve_model
 from hetero_sd.drafting.specs import (CascadeSpec, DrafterSpec, HeadSpec, HybridSpec, ModelSpec, NgramSpec,
                                       SuffixSpec, WorkerSpec)
 from hetero_sd.errors import ConfigError
+from hetero_sd.options import config_options
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,10 @@ def model_path(cfg: Config, model: str | None) -> str:
 
 
 def placed(cfg: Config, section, role: str) -> ModelSpec:
-    """The ModelSpec of a config section with model / backend / device / precision keys."""
+    """The ModelSpec of a config section with model / backend / device / precision keys,
+    with the config's backend options."""
     return ModelSpec(model_path(cfg, section.model), section.backend, section.device, section.precision,
-                     cfg.memory.kv_budget, role, getattr(section, "vocab", None))
+                     cfg.memory.kv_budget, role, getattr(section, "vocab", None), options=config_options(cfg))
 
 
 def suffix_spec(cfg: Config) -> SuffixSpec:

@@ -1,7 +1,8 @@
 """On-disk cache of what is derived from a model (lowered graphs, compiled
 blobs, a tokenizer built from a GGUF), keyed by what it depends on: the model
 files' identity (path, size, mtime) and the builder's and runtime's versions.
-A stale key simply misses. Root: $HETERO_SD_CACHE, else ~/.cache/hetero-sd."""
+A stale key simply misses. Root: $HETERO_SD_CACHE, else ~/.cache/hetero-sd; a
+worker process uses its engine's (`use_root`)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,10 +14,29 @@ from pathlib import Path
 from typing import Callable
 
 
+_ROOT: Path | None = None  # a worker's engine's root (use_root); None: as the environment says
+
+
+def configured_root() -> str | None:
+    """The root $HETERO_SD_CACHE names (None: the default): what a worker is given."""
+    return os.environ.get("HETERO_SD_CACHE") or None
+
+
+def use_root(root: str | None) -> None:
+    """Make `root` (None: the default folder) this process's cache root: a worker
+    process's, given by its engine rather than through its environment."""
+    global _ROOT
+    _ROOT = Path(root or _default_root())
+
+
+def _default_root() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero-sd")
+
+
 def cache_root() -> Path:
-    root = os.environ.get("HETERO_SD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hetero-sd")
-    return Path(root)
+    if _ROOT is not None:
+        return _ROOT
+    return Path(configured_root() or _default_root())
 
 
 def model_identity(model) -> dict:

@@ -19,8 +19,8 @@ instruction set (-march=native: AVX2, AVX-512 with VNNI, whatever the CPU has),
 then cached under the sources' hash, the compiler's version and the CPU's flags,
 so a new host or a new source compiles again (a few seconds).
 
-HETERO_SD_NATIVE picks which the CPU's graph uses (KERNELS): by
-default both. Measured side by side on a 2-core AMD EPYC (AVX-512), a one-token
+BackendOptions.native (backends/options.py; a config's `options.native`) picks which
+the CPU's graph uses (KERNELS): by default both. Measured side by side on a 2-core AMD EPYC (AVX-512), a one-token
 step with SlabAttention took 0.68-0.97x the time with GroupQueryAttention in all
 but one of nine cells (the most at long contexts) and verifies of 2-9 rows about
 as long (0.9-1.1x), so it runs wherever it covers the model (docs/backends.md). Where a kernel is off, or no compiler is
@@ -36,19 +36,12 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, KERNELS, BackendOptions
 from hetero_sd.backends.row_check import host_signature
 from hetero_sd.ir.cache import cache_root, cached
 
-MARCH_ENV = "HETERO_SD_NATIVE_CFLAGS"  # extra compiler flags (tests build the AVX2 code on AVX-512 hosts)
-
 DOMAIN = "hetero_sd.native"  # the custom ops' domain (register.c)
-ENV = "HETERO_SD_NATIVE"  # which kernels: "matmul", "attention", both ("1", "all"), none ("0")
-KERNELS = ("matmul", "attention")
-# where our matmuls run: "auto", where they are the faster exact path on the host (timed
-# once against MatMulNBits: kernel_timing.py, ort_backend.OrtRunner._load), or "always"
-MATMUL_ENV = "HETERO_SD_NATIVE_MATMUL"
-MATMUL_POLICIES = ("auto", "always")
-DEFAULT = KERNELS  # with ENV unset
+DEFAULT = DEFAULT_OPTIONS.native  # the kernels on by default: all of KERNELS
 HERE = Path(__file__).parent
 SOURCES = ("ort_api.h", "block_simd.h", "vec_math.h", "gguf_blocks.h", "block_matmul.c", "gguf_matmul.c", "slab_attention.c", "register.c")
 # -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler
@@ -121,48 +114,24 @@ def gguf_fits(kind: str | None, k: int) -> bool:
     return kind in GGUF_TYPES and k % (256 if kind.endswith("_K") else 64) == 0
 
 
-def kernels_on() -> tuple[str, ...]:
-    """The kernels HETERO_SD_NATIVE asks for (DEFAULT where it is unset)."""
-    value = os.environ.get(ENV)
-    if value is None:
-        return DEFAULT
-    value = value.strip().lower()
-    if value in ("1", "all"):
-        return KERNELS
-    if value in ("0", "", "none"):
-        return ()
-    named = tuple(k.strip() for k in value.split(","))
-    unknown = [k for k in named if k not in KERNELS]
-    if unknown:
-        raise ValueError(f"{ENV}={value!r}: unknown kernel {unknown[0]!r}; one or more of {', '.join(KERNELS)}, "
-                         f"or 1 (all), 0 (none)")
-    return named
+def how_to_turn_on(kernel: str, options: BackendOptions) -> str:
+    others = [k for k in options.native if k != kernel]
+    return f"off (native: {','.join([*others, kernel])} turns it on)"
 
 
-def matmul_policy() -> str:
-    value = os.environ.get(MATMUL_ENV, "auto").strip().lower() or "auto"
-    if value not in MATMUL_POLICIES:
-        raise ValueError(f"{MATMUL_ENV}={value!r}: one of {', '.join(MATMUL_POLICIES)}")
-    return value
+def library(kernel: str, options: BackendOptions = DEFAULT_OPTIONS) -> Path:
+    """The compiled library, for `kernel` (one of KERNELS) as `options` build it;
+    NativeUnavailable says why not."""
+    if kernel not in options.native:
+        raise NativeUnavailable(how_to_turn_on(kernel, options))
+    return _build(options.native_cflags)
 
 
-def how_to_turn_on(kernel: str) -> str:
-    others = [k for k in kernels_on() if k != kernel]
-    return f"off ({ENV}={','.join([*others, kernel])} turns it on)"
-
-
-def library(kernel: str) -> Path:
-    """The compiled library, for `kernel` (one of KERNELS); NativeUnavailable says why not."""
-    if kernel not in kernels_on():
-        raise NativeUnavailable(how_to_turn_on(kernel))
-    return _build(os.environ.get(MARCH_ENV, ""))
-
-
-def gguf_pairs() -> bool:
+def gguf_pairs(options: BackendOptions = DEFAULT_OPTIONS) -> bool:
     """Whether the library built here reads step pairs as AVX-512's (a column's
     two steps together) rather than AVX2's (gguf_blocks.h PAIRS): the lowering packs
     the weights so (gguf_pack.py) and says it in GGUFMatMul's `pairs` attribute."""
-    return pairs_of(library("matmul"))
+    return pairs_of(library("matmul", options))
 
 
 @lru_cache(maxsize=None)
@@ -173,18 +142,10 @@ def pairs_of(path: Path) -> bool:
     return bool(ctypes.CDLL(str(path)).hetero_sd_gguf_pairs())
 
 
-def kernel_available(kernel: str) -> tuple[bool, str]:
+def kernel_available(kernel: str, options: BackendOptions = DEFAULT_OPTIONS) -> tuple[bool, str]:
     """(usable, why not) without raising."""
     try:
-        library(kernel)
+        library(kernel, options)
         return True, ""
     except NativeUnavailable as e:
         return False, str(e)
-
-
-def attention_library() -> Path:
-    return library("attention")
-
-
-def attention_available() -> tuple[bool, str]:
-    return kernel_available("attention")

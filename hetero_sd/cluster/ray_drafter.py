@@ -45,7 +45,7 @@ class DrafterActor:
     def __init__(self, spec, options, build):
         from hetero_sd.drafting import worker
 
-        worker._setup(options)  # threads and HETERO_SD_* environment, as a worker process
+        worker._setup(options)  # cache folder, threads and CPUs, as a worker process
         try:
             drafter, error = build(spec, options.target_vocab), None
         except Exception as exc:  # every request learns why (HELLO answers with it)

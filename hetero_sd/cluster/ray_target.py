@@ -36,13 +36,17 @@ LOAD_TIMEOUT_S = 1800.0  # a 70B model on a cold disk
 class TargetActor:
     """The actor body (wrapped by ray.remote when started)."""
 
-    def __init__(self, spec, env: dict):
-        os.environ.update(env)  # plugins (HETERO_SD_BACKENDS) and their settings
+    def __init__(self, spec, cache: str | None = None):
+        """spec: the target's ModelSpec, its backend options (plugins included) with it;
+        cache: the engine's cache folder where it names one ($HETERO_SD_CACHE)."""
         from hetero_sd.backends.registry import discover
+        from hetero_sd.ir.cache import use_root
         from hetero_sd.loading import Loader
 
+        if cache:
+            use_root(cache)
         try:
-            self.runner, self.error = Loader(discover())(spec), None
+            self.runner, self.error = Loader(discover(spec.options), options=spec.options)(spec), None
         except Exception as exc:  # info() reports it as the same error class
             self.runner, self.error = None, f"{type(exc).__name__}: {exc}"
 
@@ -103,12 +107,12 @@ class RayRunner(Runner):
     capabilities are the actor's runner's."""
 
     def __init__(self, spec, placement: RayPlacement):
-        from hetero_sd.drafting.remote import hetero_env
+        from hetero_sd.ir.cache import configured_root
 
         self.ray = connect(placement)
         check_placeable(placement, spec.role)
         self.placement, self.timeout_s = placement, placement.timeout_s
-        self.actor = self.ray.remote(TargetActor).options(**actor_options(placement)).remote(spec, hetero_env())
+        self.actor = self.ray.remote(TargetActor).options(**actor_options(placement)).remote(spec, configured_root())
         info = self._get(self.actor.info.remote(), LOAD_TIMEOUT_S)
         if "error" in info:
             self.close()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Union
 
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.cluster.placement import RayPlacement
 from hetero_sd.ir.errors import ConfigError
 
@@ -43,6 +44,9 @@ class ModelSpec:
     # greedy drafts stop below this draft probability; None: where they stop paying
     # (DrafterConfig.min_prob, auto; drafting/model.DraftStop)
     min_prob: float | None = 0.0
+    # the switches its backend runs with: kernels, padding, plugins (backends/options.py;
+    # a config's `options:` section)
+    options: BackendOptions = DEFAULT_OPTIONS
 
     @property
     def label(self) -> str:

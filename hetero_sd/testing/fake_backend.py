@@ -1,10 +1,10 @@
 """The fake backend: declared devices, costs and failures around real tokens.
 
 A testing utility, not a built-in: nothing registers it unless a test or a
-plugin author does, in the environment (so worker processes see it too) or in
-code:
+plugin author does, in the backend options (so worker processes see it too:
+their specs carry them) or in code:
 
-    HETERO_SD_BACKENDS=fake=hetero_sd.testing.fake_backend:FakeBackend   # PLUGIN below
+    options: {plugins: ["fake=hetero_sd.testing.fake_backend:FakeBackend"]}   # PLUGIN below
     registry.backends["fake"] = FakeBackend(devices=[...])
 
 It exists to test the splitter, the profiler and fault tolerance without
@@ -19,8 +19,9 @@ model's and lossless tests run through it. On top it
   malformed / garbage output.
 
 Configure it in code, `FakeBackend(devices=[FakeDeviceSpec(device="fake:0")])`,
-or, for subprocess and CLI tests, with the HETERO_SD_FAKE_BACKEND environment
-variable holding JSON or the path of a YAML/JSON file:
+or with the backend options' `fake` (a config's `options.fake_backend`; for
+subprocess and CLI tests $HETERO_SD_FAKE_BACKEND, read when the config loads)
+holding JSON or the path of a YAML/JSON file:
 
     simulate_time: false
     devices:
@@ -36,7 +37,6 @@ Unconfigured it sees no device, so `hetero-sd devices` never shows it.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -47,10 +47,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.ir.errors import BackendError, ConfigError
 
-ENV = "HETERO_SD_FAKE_BACKEND"  # the devices (JSON, or a YAML/JSON file)
-PLUGIN = "fake=hetero_sd.testing.fake_backend:FakeBackend"  # for HETERO_SD_BACKENDS
+ENV = "HETERO_SD_FAKE_BACKEND"  # the devices (JSON, or a YAML/JSON file), read when a config loads
+PLUGIN = "fake=hetero_sd.testing.fake_backend:FakeBackend"  # for BackendOptions.plugins
 
 
 class _Spec(BaseModel):
@@ -188,20 +189,20 @@ def _model_key(model) -> tuple[str, ...] | None:
     return (str(path), path.name, path.stem)
 
 
-def spec_from_env(value: str | None = None) -> FakeBackendSpec:
-    """Read HETERO_SD_FAKE_BACKEND (or `value`): JSON, or a YAML/JSON file path."""
-    raw = (os.environ.get(ENV, "") if value is None else value).strip()
+def spec_from_text(value: str = "", where: str = "options.fake_backend") -> FakeBackendSpec:
+    """Read the fake backend's settings `value` (BackendOptions.fake): JSON, or a
+    YAML/JSON file path; `where` names it in errors."""
+    raw = value.strip()
     if not raw:
         return FakeBackendSpec()
-    where = ENV
     try:
         if raw[0] in "[{":
             data = json.loads(raw)
         else:
             path = Path(raw).expanduser()
             if not path.is_file():
-                raise ConfigError(f"{ENV}={raw!r} is neither JSON nor the path of a YAML/JSON file")
-            where = f"{ENV} file {path}"
+                raise ConfigError(f"{where}={raw!r} is neither JSON nor the path of a YAML/JSON file")
+            where = f"{where} file {path}"
             data = yaml.safe_load(path.read_text())
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{where}: not valid JSON/YAML: {exc}") from None
@@ -227,12 +228,15 @@ def _inject(failure: FakeFailure, where: str) -> None:
 class FakeBackend:
     name = "fake"
     api_version = API_VERSION
+    takes_options = True
 
     def __init__(self, devices: Sequence[FakeDeviceSpec | dict] | None = None,
-                 simulate_time: bool | None = None, spec: FakeBackendSpec | None = None):
-        """devices (or a whole spec) in code; neither: read HETERO_SD_FAKE_BACKEND."""
+                 simulate_time: bool | None = None, spec: FakeBackendSpec | None = None,
+                 options: BackendOptions = DEFAULT_OPTIONS):
+        """devices (or a whole spec) in code; neither: the settings options.fake holds."""
+        self.options = options  # its inner runners' too
         if spec is None:
-            spec = spec_from_env() if devices is None else FakeBackendSpec(devices=tuple(devices))
+            spec = spec_from_text(options.fake) if devices is None else FakeBackendSpec(devices=tuple(devices))
         if simulate_time is not None:
             spec = spec.model_copy(update={"simulate_time": simulate_time})
         self.spec = spec
@@ -256,7 +260,11 @@ class FakeBackend:
         info, prec = resolve(self._all_devices(), self.name, device, precision)
         return self.device_spec(info.device).costs_for(prec.name, model)
 
-    def load(self, model, device: str, precision: str, kv_budget_bytes: int, progress=None) -> "FakeRunner":
+    def load(self, model, device: str, precision: str, kv_budget_bytes: int, progress=None,
+             options: BackendOptions | None = None) -> "FakeRunner":
+        """options: its inner runner's (default: the backend's own)."""
+        from hetero_sd.backends.registry import load_runner
+
         all_info, _ = resolve(self._all_devices(), self.name, device, "default")
         if all_info.device in self.lost:
             raise BackendError(f"{self.name}:{all_info.device} was lost after an injected failure; "
@@ -272,7 +280,8 @@ class FakeBackend:
         if prec.batch_invariant and not inner_prec.batch_invariant:  # it would fake losslessness
             raise BackendError(f"{self.name}:{info.device} {prec.name} claims batch invariance but runs "
                                f"as {spec.inner_backend}:{spec.inner_device} {pspec.runs_as}, which has none")
-        inner = inner_backend.load(model, spec.inner_device, pspec.runs_as, kv_budget_bytes, progress)
+        inner = load_runner(inner_backend, model, spec.inner_device, pspec.runs_as, kv_budget_bytes, progress,
+                            options or self.options)
         return FakeRunner(inner, info, prec, spec.costs_for(prec.name, model), failure,
                           self.spec.simulate_time, lambda: self._fired(spec))
 
@@ -287,7 +296,7 @@ class FakeBackend:
             if name == self.name or name not in BUILTINS:
                 allowed = ", ".join(n for n in BUILTINS if n != self.name)
                 raise ConfigError(f"fake device inner_backend {name!r} is not a built-in; allowed: {allowed}")
-            self._inner[name] = load_builtin(name)
+            self._inner[name] = load_builtin(name, self.options)
         return self._inner[name]
 
 

@@ -112,12 +112,10 @@ def tune(head: EagleHead, target_spec, target_ir, seqs: list[list[int]], lm: tor
     run of training on them at a third of the learning rate. Its int8 / int4 kernels move the
     states a little (SmolLM2 int4 on onnxruntime: cosine 0.976 to the exact ones at layer 26),
     and the head drafts from those."""
-    from hetero_sd.drafting.specs import ModelSpec
     from hetero_sd.loading import Loader
 
     layers = head.cfg.feature_layers
-    runner = Loader(progress=True)(ModelSpec(**{**asdict(target_spec),
-                                                "features": layers + (target_ir.config.num_layers - 1,)}))
+    runner = Loader(progress=True)(replace(target_spec, features=layers + (target_ir.config.num_layers - 1,)))
     H = target_ir.config.hidden_size
     store = make_store(serving_states(runner, layers, target_ir), seqs, (len(layers) * H, H),
                        out / "data" / f"pass-{target_spec.backend}-{target_spec.precision}-{len(layers)}",

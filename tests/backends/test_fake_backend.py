@@ -1,7 +1,8 @@
 """The fake backend: named devices with their own specs, real tokens from the
 wrapped torch runner, the Runner contract, declared costs, injected failures
-(firing exactly after N calls), and configuration through
-HETERO_SD_FAKE_BACKEND, also from a subprocess CLI run."""
+(firing exactly after N calls), and configuration through the backend options
+(options.fake_backend, or HETERO_SD_FAKE_BACKEND read when a config loads), also
+from a subprocess CLI run."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from hetero_sd.testing.fake_backend import (ENV, FakeBackend, FakeCosts, FakeDeviceSpec, FakeFailure,
-                                             FakePrecisionSpec, PLUGIN, spec_from_env)
+                                             FakePrecisionSpec, PLUGIN, spec_from_text)
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.backends.registry import discover
 from hetero_sd.backends.torch_backend import TorchBackend
 from hetero_sd.cli import main
@@ -245,8 +247,15 @@ def test_a_precision_may_not_claim_more_than_it_runs_as(tiny_model_dir):
 
 
 # ------------------------------------------------------------------ configuration without code
+def _from_config():
+    """The backends a config loaded now sees (its options: the environment's switches)."""
+    from hetero_sd.options import config_options
+
+    return discover(config_options(load_config(None)))
+
+
 def test_unconfigured_fake_sees_no_device(capsys):
-    registry = discover()
+    registry = discover(BackendOptions(plugins=(PLUGIN,)))
     assert registry.backends["fake"].probe() == [] and "fake" not in registry.broken
     assert main(["devices", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -255,20 +264,20 @@ def test_unconfigured_fake_sees_no_device(capsys):
 
 def test_env_json_and_yaml_file(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV, json.dumps({"devices": [{}, {"costs": {"decode_per_token_s": 0.5}}]}))
-    backend = discover().get("fake")
+    backend = _from_config().get("fake")
     assert [d.device for d in backend.probe()] == ["fake:0", "fake:1"]
     assert backend.declared_costs("fake:1").decode_per_token_s == 0.5
     path = tmp_path / "fake.yaml"
     path.write_text("simulate_time: true\ndevices:\n  - device: fake:3\n"
                     "    failure: {after_calls: 2, kind: hang, hang_s: 1}\n")
-    spec = spec_from_env(str(path))
+    spec = spec_from_text(str(path))
     assert spec.simulate_time and spec.devices[0].device == "fake:3"
     assert spec.devices[0].failure.kind == "hang"
-    assert spec_from_env("[{}]").devices[0].device == "fake:0"  # a bare list of devices
+    assert spec_from_text("[{}]").devices[0].device == "fake:0"  # a bare list of devices
     full = FakeBackend(devices=[FakeDeviceSpec(costs=COSTS, failure=FakeFailure(after_calls=3),
                                                precisions=("fp32", FakePrecisionSpec(name="x", costs=COSTS)),
                                                model_costs={"m.gguf": COSTS})], simulate_time=True).spec
-    assert spec_from_env(full.model_dump_json()) == full  # a spec built in code travels by env
+    assert spec_from_text(full.model_dump_json()) == full  # a spec built in code travels by env
 
 
 @pytest.mark.parametrize("value,reason", [
@@ -279,11 +288,11 @@ def test_env_json_and_yaml_file(monkeypatch, tmp_path):
 ])
 def test_bad_env_config_marks_fake_broken(monkeypatch, value, reason):
     monkeypatch.setenv(ENV, value)
-    registry = discover()
+    registry = _from_config()
     assert "fake" not in registry.backends and "torch" in registry.backends
-    assert f"ConfigError: {ENV}" in registry.broken["fake"] and reason in registry.broken["fake"]
+    assert "ConfigError: options.fake_backend" in registry.broken["fake"] and reason in registry.broken["fake"]
     with pytest.raises(ConfigError):
-        spec_from_env()
+        spec_from_text(value)
 
 
 def _cli(config, env_value, tmp_path):
@@ -323,17 +332,17 @@ def test_cli_generate_on_fake_devices_from_env(tiny_model_dir, tmp_path):
 
 
 def test_the_fake_backend_is_a_testing_utility_not_a_builtin(monkeypatch):
-    """A plain install registers no fake backend; naming it in HETERO_SD_BACKENDS does."""
+    """A plain install registers no fake backend; naming it in options.plugins (or
+    HETERO_SD_BACKENDS, read when a config loads) does."""
     from importlib.metadata import entry_points
 
-    from hetero_sd.backends.registry import ENV as BACKENDS_ENV
-
     assert "fake" not in {ep.name for ep in entry_points(group="hetero_sd.backends")}
-    monkeypatch.delenv(BACKENDS_ENV, raising=False)
-    registry = discover()
-    assert "fake" not in registry.backends and "fake" not in registry.broken and "torch" in registry.backends
-    monkeypatch.setenv(BACKENDS_ENV, PLUGIN)
-    assert isinstance(discover().backends["fake"], FakeBackend)
-    monkeypatch.setenv(BACKENDS_ENV, "fake=no_such_module:Nope, bad")
-    broken = discover().broken
+    monkeypatch.delenv("HETERO_SD_BACKENDS", raising=False)
+    for registry in (discover(), _from_config()):
+        assert "fake" not in registry.backends and "fake" not in registry.broken and "torch" in registry.backends
+    assert isinstance(discover(BackendOptions(plugins=(PLUGIN,))).backends["fake"], FakeBackend)
+    monkeypatch.setenv("HETERO_SD_BACKENDS", PLUGIN)
+    assert isinstance(_from_config().backends["fake"], FakeBackend)
+    monkeypatch.setenv("HETERO_SD_BACKENDS", "fake=no_such_module:Nope, bad")
+    broken = _from_config().broken
     assert "ModuleNotFoundError" in broken["fake"] and "not name=module:Class" in broken["bad"]

@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from hetero_sd.backends import gguf_pack, native
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, quant
 from helpers.gguf_mixes import encode
@@ -160,20 +161,18 @@ def test_a_row_rounds_alike_alone_and_in_any_call(library, kind):
 
 
 @needs_avx2
-def test_the_two_builds_agree_bit_for_bit(monkeypatch):
+def test_the_two_builds_agree_bit_for_bit():
     """VNNI's 16-bit dot product and AVX2's multiply-add compute the same exact integers,
     and both builds run the same float operations: one result."""
     if not x86_avx512():
         pytest.skip("one build only on an AVX2 host")
-    monkeypatch.setenv(native.ENV, "matmul")
     rng = np.random.default_rng(3)
     a = rng.standard_normal((5, 512)).astype(np.float32)
     for kind in KQUANTS + BLOCKS32:
         raw, up = _raw(rng, kind, 29, 512, noise=True), _raw(rng, kind, 29, 512, noise=True)
         outs = []
         for flags in ("", "-mno-avx512f"):
-            monkeypatch.setenv(native.MARCH_ENV, flags)
-            lib = native.library("matmul")
+            lib = native.library("matmul", BackendOptions(native=("matmul",), native_cflags=flags))
             outs.append([_session(lib, kind, 512, 29, raw).run(None, {"A": a})[0],
                          _session(lib, kind, 512, 29, raw, up=up).run(None, {"A": a})[0]])  # (gated: its exp too)
         assert all(np.array_equal(x, y) for x, y in zip(*outs)), kind
@@ -243,20 +242,16 @@ def test_types_it_covers():
 
 @needs_avx2
 @pytest.mark.parametrize("mix", ["Q4_K_M", "LEGACY"])
-def test_the_gguf_graph_runs_the_files_blocks(tiny_gguf, monkeypatch, mix):
+def test_the_gguf_graph_runs_the_files_blocks(tiny_gguf, mix):
     """precision gguf with our matmuls on: over a Q4_K_M file every Q4_K / Q6_K layer, over
     a file of every 32-value type (Q4_0 .. Q8_0, one per tensor) every layer, is a
     GGUFMatMul on the file's bytes (no BlockMatMul, MatMulNBits or side matmul for
     minimums); the logits are the file's model's, up to int8 activations; a one-token
     decode equals the same rows of a verify."""
-    from hetero_sd.backends import row_check
-
-    monkeypatch.delenv(row_check.ENV, raising=False)
-    monkeypatch.setenv(native.MATMUL_ENV, "always")
-    monkeypatch.setenv(native.ENV, "matmul")
     path = tiny_gguf("qwen2-wide", mix)
     ir = load_model_ir(path)
-    ours = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20)
+    ours = REGISTRY.get("onnxruntime").load(ir, "cpu", "gguf", 1 << 20,
+                                            options=BackendOptions(native=("matmul",), native_matmul="always"))
     assert "by our BlockMatMul" in ours.kernel_choice and ours.padding == "none"
     graph = onnx.load(str(ours._graph_path("pool", True)), load_external_data=False).graph
     ops = [n for n in graph.node if n.op_type == "GGUFMatMul"]

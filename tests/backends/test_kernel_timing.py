@@ -11,7 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from hetero_sd.backends import kernel_timing, native, ort_backend, row_check
+from hetero_sd.backends import kernel_timing, ort_backend, row_check
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir
 from helpers.native import needs_avx2
@@ -25,8 +26,6 @@ def timed(monkeypatch, tmp_path):
     """A fresh cache (no choice made by another test), the defaults (our kernels on where
     they build, the choice timed), and a fake timing: `faster` names the path that wins."""
     monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path))
-    for name in (native.MATMUL_ENV, row_check.ENV, native.ENV):
-        monkeypatch.delenv(name, raising=False)
     calls = []
 
     class Fake:
@@ -44,8 +43,9 @@ def timed(monkeypatch, tmp_path):
     return fake
 
 
-def _load(ir, precision):
-    return REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
+def _load(ir, precision, **options):
+    """Loaded with the default options but `options` (BackendOptions' fields)."""
+    return REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20, options=BackendOptions(**options))
 
 
 @needs_avx2
@@ -99,8 +99,7 @@ def test_the_choice_is_the_hosts(tiny_model_dir, timed, monkeypatch):
     monkeypatch.setattr(ort_backend, "host_signature", lambda: {**real, "isa": "another"})
     timed.faster = "theirs"
     assert _load(ir, "int4")._open_native is False and timed.calls[2:] == ["theirs", "ours"]
-    monkeypatch.setenv(row_check.ENV, "pairs")
-    _load(ir, "int4")
+    _load(ir, "int4", pad_single_row="pairs")
     assert timed.calls[4:] == ["theirs", "ours"]
 
 
@@ -116,20 +115,16 @@ def test_gguf_times_its_file_blocks_against_matmulnbits(tiny_gguf, timed):
 
 
 @needs_avx2
-def test_no_timing_where_it_is_forced(tiny_model_dir, timed, monkeypatch):
-    """HETERO_SD_NATIVE_MATMUL=always: ours, untimed; our matmul off: MatMulNBits, untimed."""
+def test_no_timing_where_it_is_forced(tiny_model_dir, timed):
+    """native_matmul: always: ours, untimed; our matmul off: MatMulNBits, untimed."""
     ir = load_model_ir(tiny_model_dir("llama"))
-    monkeypatch.setenv(native.MATMUL_ENV, "always")
-    assert _load(ir, "int4")._open_native and timed.calls == []
-    monkeypatch.delenv(native.MATMUL_ENV)
-    monkeypatch.setenv(native.ENV, "attention")
-    assert _load(ir, "int4")._open_native is False and timed.calls == []
+    assert _load(ir, "int4", native_matmul="always")._open_native and timed.calls == []
+    assert _load(ir, "int4", native=("attention",))._open_native is False and timed.calls == []
 
 
 @needs_avx2
-def test_time_runner_measures_and_leaves_the_runner_as_it_was(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv(native.MATMUL_ENV, "always")
-    runner = _load(load_model_ir(tiny_model_dir("llama")), "int4")
+def test_time_runner_measures_and_leaves_the_runner_as_it_was(tiny_model_dir):
+    runner = _load(load_model_ir(tiny_model_dir("llama")), "int4", native_matmul="always")
     prompt = random_prompt(12, seed=1)
     seq = runner.allocate(16)
     before = runner.forward(seq, prompt, 0, 3)

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from hetero_sd.backends import native
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.backends.onnx_native import DOMAIN
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, reference_logits
@@ -18,9 +19,8 @@ REGISTRY = discover()
 
 
 @pytest.fixture
-def library(monkeypatch):
-    monkeypatch.setenv(native.ENV, "1")
-    return native.attention_library()  # on such a CPU, a build failure fails the test
+def library():
+    return native.library("attention")  # (on by default) on such a CPU, a build failure fails the test
 
 
 LAYERS = 2  # slabs [2, LAYERS, Hkv, R, D] in the pool; the op runs layer 1's
@@ -164,17 +164,16 @@ def test_bad_extents_are_refused_before_a_write(library, seqs, says):
 
 
 @needs_avx2
-def test_it_is_on_by_default_and_off_where_not_named(monkeypatch):
-    monkeypatch.delenv(native.ENV, raising=False)
-    assert native.attention_available() == (True, "")
-    monkeypatch.setenv(native.ENV, "matmul")
-    assert native.attention_available() == (False, f"off ({native.ENV}=matmul,attention turns it on)")
+def test_it_is_on_by_default_and_off_where_not_named():
+    assert native.kernel_available("attention") == (True, "")
+    assert native.kernel_available("attention", BackendOptions(native=("matmul",))) == \
+        (False, "off (native: matmul,attention turns it on)")
 
 
-def test_devices_say_which_attention_runs(monkeypatch):
-    monkeypatch.setenv(native.ENV, "matmul")
-    cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
-    assert cpu.description.endswith(f"attention: gathered from the pool; SlabAttention off ({native.ENV}=matmul,attention "
+def test_devices_say_which_attention_runs():
+    registry = discover(BackendOptions(native=("matmul",)))
+    cpu = next(d for d in registry.get("onnxruntime").probe() if d.device == "cpu")
+    assert cpu.description.endswith("attention: gathered from the pool; SlabAttention off (native: matmul,attention "
                                     "turns it on)")
 
 

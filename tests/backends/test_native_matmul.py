@@ -12,6 +12,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from hetero_sd.backends import native
+from hetero_sd.backends.options import KERNELS, BackendOptions, parse_native
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir import load_model_ir, reference_logits
 from hetero_sd.ir.errors import BackendError
@@ -101,19 +102,18 @@ def test_a_row_rounds_alike_alone_and_in_any_call(library, k, n, bits, block, zp
 
 
 @needs_avx2
-def test_the_two_builds_agree_up_to_their_float_sums(monkeypatch):
+def test_the_two_builds_agree_up_to_their_float_sums():
     """The AVX-512 and AVX2 code sum the same exact integer dot products in other lane
     orders: equal up to float rounding (each is exact with itself, above)."""
     if not x86_avx512():
         pytest.skip("one build only on an AVX2 host")
-    monkeypatch.setenv(native.ENV, "matmul")
     rng = np.random.default_rng(3)
     packed, scales, zps = _weights(rng, 576, 29, 4, 32, True)
     a = rng.standard_normal((5, 576)).astype(np.float32)
     outs = []
     for flags in ("", "-mno-avx512f"):
-        monkeypatch.setenv(native.MARCH_ENV, flags)
-        outs.append(_session(native.library("matmul"), 576, 29, 4, 32, packed, scales, zps).run(None, {"A": a})[0])
+        lib = native.library("matmul", BackendOptions(native=("matmul",), native_cflags=flags))
+        outs.append(_session(lib, 576, 29, 4, 32, packed, scales, zps).run(None, {"A": a})[0])
     assert np.abs(outs[0] - outs[1]).max() <= 1e-5 * np.abs(outs[0]).max()
 
 
@@ -129,18 +129,21 @@ def test_bad_shapes_and_attributes_are_clear_errors(library):
 
 
 
-def test_the_switch_names_our_kernels(monkeypatch):
-    monkeypatch.delenv(native.ENV, raising=False)
-    assert native.kernels_on() == native.DEFAULT == ("matmul", "attention")
-    for value, on in (("1", native.KERNELS), ("all", native.KERNELS), ("0", ()), ("attention", ("attention",)),
+def test_the_switch_names_our_kernels():
+    """options.native (and $HETERO_SD_NATIVE, read when a config loads) names our kernels."""
+    from hetero_sd.config import load_config
+    from hetero_sd.options import config_options
+
+    assert BackendOptions().native == native.DEFAULT == ("matmul", "attention")
+    assert config_options(load_config(None, environ={})).native == native.DEFAULT
+    for value, on in (("1", KERNELS), ("all", KERNELS), ("0", ()), ("attention", ("attention",)),
                       ("matmul,attention", ("matmul", "attention"))):
-        monkeypatch.setenv(native.ENV, value)
-        assert native.kernels_on() == on
-    monkeypatch.setenv(native.ENV, "matmul,flash")
+        assert parse_native(value) == on
+        assert config_options(load_config(None, environ={"HETERO_SD_NATIVE": value})).native == on
     with pytest.raises(ValueError, match="unknown kernel 'flash'"):
-        native.kernels_on()
-    monkeypatch.setenv(native.ENV, "attention")
-    assert native.kernel_available("matmul") == (False, f"off ({native.ENV}=attention,matmul turns it on)")
+        parse_native("matmul,flash")
+    assert native.kernel_available("matmul", BackendOptions(native=("attention",))) == \
+        (False, "off (native: attention,matmul turns it on)")
 
 
 def test_shapes_it_covers():
@@ -151,27 +154,25 @@ def test_shapes_it_covers():
 
 
 @pytest.mark.parametrize("kernels", [pytest.param("matmul", marks=needs_avx2), "0"])
-def test_devices_say_which_matmul_runs(monkeypatch, kernels):
-    monkeypatch.setenv(native.ENV, kernels)
-    monkeypatch.delenv(native.MATMUL_ENV, raising=False)
-    cpu = next(d for d in REGISTRY.get("onnxruntime").probe() if d.device == "cpu")
+def test_devices_say_which_matmul_runs(kernels):
+    registry = discover(BackendOptions(native=parse_native(kernels)))
+    cpu = next(d for d in registry.get("onnxruntime").probe() if d.device == "cpu")
     said = "quantized matmul: our BlockMatMul (a GGUF's blocks: GGUFMatMul) or MatMulNBits, the faster exact path " \
         "on this host (timed at a model's first load)" if kernels == "matmul" else \
-        f"quantized matmul: MatMulNBits; BlockMatMul off ({native.ENV}=matmul turns it on)"
+        "quantized matmul: MatMulNBits; BlockMatMul off (native: matmul turns it on)"
     assert said in cpu.description
 
 
 @pytest.mark.parametrize("kernels", [pytest.param("matmul", marks=needs_avx2), "0"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen2-wide"])  # qwen2-wide: 4-bit blocks of 128, zero points
 @pytest.mark.parametrize("precision,tol", [("int8", 0.2), ("int4", 1.5)])  # test_graph_backends CASES
-def test_the_graph_matches_the_reference(tiny_model_dir, monkeypatch, kernels, variant, precision, tol):
+def test_the_graph_matches_the_reference(tiny_model_dir, kernels, variant, precision, tol):
     """The graph with BlockMatMul (always), and with MatMulNBits
-    (HETERO_SD_NATIVE=0, as on a host that cannot build ours), against transformers'
+    (native: off, as on a host that cannot build ours), against transformers'
     logits, prefill and token by token."""
-    monkeypatch.setenv(native.ENV, kernels)
-    monkeypatch.setenv(native.MATMUL_ENV, "always")
+    options = BackendOptions(native=parse_native(kernels), native_matmul="always")
     ir = load_model_ir(tiny_model_dir(variant))
-    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20)
+    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", precision, 1 << 20, options=options)
     assert ("by our BlockMatMul" in runner.kernel_choice) == (kernels == "matmul"), runner.kernel_choice
     prompt = random_prompt(30, seed=3)
     ref = reference_logits(ir, prompt).numpy()
@@ -222,19 +223,17 @@ def test_where_no_padding_makes_matmulnbits_exact_ours_runs(tiny_model_dir, monk
 
     monkeypatch.setattr(row_check, "check", check)
     monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path))  # no verdict cached by an earlier test
-    for name in (native.MATMUL_ENV, row_check.ENV):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(native.ENV, "matmul")
+    ours = BackendOptions(native=("matmul",))
     ir = load_model_ir(tiny_model_dir("qwen2"))
-    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
+    runner = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20, options=ours)
     assert "by our BlockMatMul (MatMulNBits: no padding is exact on this host)" in runner.kernel_choice
     assert runner.padding == "none" and checked == [False, False, False, True]  # theirs under 3 paddings, ours
     checked.clear()
-    again = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
+    again = REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20, options=ours)
     assert "by our BlockMatMul (MatMulNBits: no padding is exact on this host)" in again.kernel_choice
     assert checked == [] and "(cached" in again.kernel_choice
-    monkeypatch.setenv(native.ENV, "0")  # MatMulNBits alone: the cached failure is the load's error
+    # MatMulNBits alone (native: off): the cached failure is the load's error
     with pytest.raises(BackendError, match="under every padding.*cached: delete"):
-        REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20)
+        REGISTRY.get("onnxruntime").load(ir, "cpu", "int4", 1 << 20, options=BackendOptions(native=()))
 
 

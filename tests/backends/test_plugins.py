@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetero_sd.testing.fake_backend import ENV
+from hetero_sd.testing.fake_backend import ENV, PLUGIN
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.backends.registry import discover
 from hetero_sd.config import load_config
 from hetero_sd.drafting import ModelDrafter, NgramDrafter
@@ -54,7 +55,7 @@ def plugin_site(tmp_path_factory) -> Path:
 def registry(plugin_site, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.syspath_prepend(str(plugin_site))
-    return discover()
+    return discover(BackendOptions(plugins=(PLUGIN,)))  # and the fake backend, named as a plugin
 
 
 def test_not_found_before_install(monkeypatch):

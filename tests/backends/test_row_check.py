@@ -4,10 +4,13 @@ must equal row i of a k-row verify bitwise, and its verdict must be what an
 independent comparison finds on this host."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from hetero_sd.backends import native, row_check
+from hetero_sd.backends import row_check
+from hetero_sd.backends.options import BackendOptions, parse_native, parse_padding
 from hetero_sd.backends.registry import discover
 from hetero_sd.ir.errors import BackendError
 from hetero_sd.ir import load_model_ir
@@ -18,8 +21,8 @@ REGISTRY = discover()
 QUANTIZED = [(b, p) for b in ("onnxruntime", "openvino") for p in ("int8", "int4")]
 # onnxruntime's SlabAttention graph by default (BlockMatMul or MatMulNBits, whichever exact
 # path was the faster here: kernel_timing.py), each of those two forced (our BlockMatMul
-# always; MatMulNBits in the same SlabAttention graph, HETERO_SD_NATIVE=attention), and
-# onnxruntime's own ops alone (HETERO_SD_NATIVE=0: attention gathered from the pool, as
+# always; MatMulNBits in the same SlabAttention graph, options native: attention), and
+# onnxruntime's own ops alone (native: off: attention gathered from the pool, as
 # where ours cannot build); OpenVINO
 # runs its own either way
 KERNELS = {"onnxruntime": (None, pytest.param("always", marks=needs_avx2), pytest.param("attention", marks=needs_avx2),
@@ -36,21 +39,16 @@ CONTEXTS = (3, 12, 40)
 
 
 def _load(backend, folder, precision, monkeypatch, pad: str | None, kernels: str | None = None):
-    """kernels: HETERO_SD_NATIVE (None: the default: the faster exact matmul, timed);
-    "always": BlockMatMul whatever MatMulNBits' verdict."""
-    monkeypatch.delenv(native.MATMUL_ENV, raising=False)
+    """kernels: options.native (None: the default: the faster exact matmul, timed);
+    "always": BlockMatMul whatever MatMulNBits' verdict; pad: options.pad_single_row."""
     if kernels is None:
-        monkeypatch.delenv(native.ENV, raising=False)
+        options = BackendOptions()
     elif kernels == "always":
-        monkeypatch.setenv(native.ENV, "matmul")
-        monkeypatch.setenv(native.MATMUL_ENV, "always")
+        options = BackendOptions(native=("matmul",), native_matmul="always")
     else:
-        monkeypatch.setenv(native.ENV, kernels)
-    if pad is None:
-        monkeypatch.delenv(row_check.ENV, raising=False)
-    else:
-        monkeypatch.setenv(row_check.ENV, pad)
-    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20)
+        options = BackendOptions(native=parse_native(kernels))
+    options = replace(options, pad_single_row=parse_padding(pad if pad is not None else "auto"))
+    return REGISTRY.get(backend).load(load_model_ir(folder), "cpu", precision, 1 << 20, options=options)
 
 
 def _invariant(runner, contexts=CONTEXTS, widths=range(1, 17)) -> list[tuple[int, int]]:
@@ -108,7 +106,7 @@ def test_the_verdict_is_cached_per_host_and_rechecked_on_another(tiny_model_dir,
     assert "(checked" in _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, None).kernel_choice
     forced = _load("onnxruntime", tiny_model_dir("llama"), "int4", monkeypatch, "1")
     assert forced.kernel_choice.endswith("odd-width calls padded by one row (one-token calls to two) "
-                                         "(HETERO_SD_PAD_SINGLE_ROW=1)")
+                                         "(pad_single_row: pairs)")
 
 
 class _RoundsApart:
@@ -145,8 +143,7 @@ class _RoundsApart:
         return out
 
 
-def test_a_one_row_path_that_rounds_apart_keeps_the_padding(tmp_path, monkeypatch):
-    monkeypatch.delenv(row_check.ENV, raising=False)
+def test_a_one_row_path_that_rounds_apart_keeps_the_padding(tmp_path):
     exact, detail = row_check.check(_RoundsApart())
     assert not exact and "differs in a 1-row call and a 16-row one" in detail
     assert row_check.check(_RoundsApart(), "single")[0] and row_check.check(_RoundsApart(), "pairs")[0]
@@ -161,7 +158,6 @@ def test_an_odd_calls_last_row_that_rounds_apart_pads_odd_calls(tmp_path, monkey
     """As MatMulNBits' 4-bit blocks of 64 and 128 on AVX-512 hosts: padding one-token
     calls alone leaves a 3- or 5-row verify's last row apart, so the check goes on to
     pairs, and a runner that pads so rounds every row alike."""
-    monkeypatch.delenv(row_check.ENV, raising=False)
     odd = lambda width: width % 2 == 1  # noqa: E731
     exact, detail = row_check.check(_RoundsApart(apart=odd), "single")
     assert not exact and "differs in a 3-row call" in detail
@@ -174,7 +170,6 @@ def test_an_odd_calls_last_row_that_rounds_apart_pads_odd_calls(tmp_path, monkey
 def test_no_exact_padding_is_an_error_not_a_guess(tmp_path, monkeypatch):
     """No padding exact: an error naming why, and that verdict cached, so a later load
     says it again at once (a check takes seconds on a real model) instead of checking."""
-    monkeypatch.delenv(row_check.ENV, raising=False)
     folder = tmp_path / "tiny"
     apart = _RoundsApart(apart=lambda width: width < 16)
     with pytest.raises(BackendError, match="tiny int4: rows round apart between call widths under every padding"):
@@ -187,8 +182,8 @@ def test_no_exact_padding_is_an_error_not_a_guess(tmp_path, monkeypatch):
     listed = [(label, v.describe()) for label, v in row_check.cached_verdicts(tmp_path)]  # hetero-sd devices
     assert listed == [("tiny int4", "no padding is exact: rows round apart under every padding on this host "
                                     "(the runtime's kernel is not used for an exact target) (cached)")]
-    monkeypatch.setenv(row_check.ENV, "pairs")  # an override still wins over a cached failure
-    assert row_check.settle(again, folder).padding == "pairs"
+    # an override (options.pad_single_row) still wins over a cached failure
+    assert row_check.settle(again, folder, forced_padding="pairs").padding == "pairs"
 
 
 @pytest.mark.parametrize("backend,precision,kernels", [
@@ -253,7 +248,7 @@ def test_blocks_of_128_keep_every_verify_row_exact(tiny_model_dir, monkeypatch, 
                          ids=["fp32", "int8-as-checked", "int8-padded", "int4-as-checked", "int4-padded"])  # fp32: never padded
 def test_one_row_decode_equals_every_verify_row_with_our_attention(tiny_model_dir, monkeypatch, precision, variant,
                                                                    pad):
-    """The same with SlabAttention (backends/native, HETERO_SD_NATIVE=1): a one-token
+    """The same with SlabAttention (backends/native, options native: on): a one-token
     call is one row everywhere, no second attention row."""
     runner = _load("onnxruntime", tiny_model_dir(variant), precision, monkeypatch, pad, kernels="1")
     assert "our SlabAttention" in runner.kernel_choice

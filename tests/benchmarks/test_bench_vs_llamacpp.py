@@ -30,7 +30,7 @@ def test_interleaves_llama_bench_and_our_target(tiny_gguf, tmp_path, capsys):
     assert results["llama.cpp"]["rounds"] == {"decode": [50.0, 50.0], "prefill": [400.0, 400.0]}
     ours = results["onnxruntime:cpu:int4"]
     assert len(ours["rounds"]["decode"]) == 2 and len(ours["verify_curve"]) == 9 and ours["verify_curve"][0] == 1.0
-    assert "forced" not in ours["kernel"] and "(one-token calls to two) (HETERO_SD" in results[
+    assert "forced" not in ours["kernel"] and "(one-token calls to two) (pad_single_row: pairs)" in results[
         "onnxruntime:cpu:int4 padded"]["kernel"]
     assert log.read_text().count(f"-m {model}") == 4  # decode and prefill, in each round
     assert "| llama.cpp |" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Which hosts can build our own kernels (backends/native): an x86-64 CPU with AVX2.
-Elsewhere the graphs keep onnxruntime's own ops (HETERO_SD_NATIVE=0 runs them here too),
+Elsewhere the graphs keep onnxruntime's own ops (options native: off runs them here too),
 on every host; a build failure on such a CPU fails the tests that need it."""
 from __future__ import annotations
 
@@ -30,14 +30,13 @@ ISAS = [pytest.param("", id="native"),
 
 
 @pytest.fixture(params=ISAS, name="library")
-def matmul_library(request, monkeypatch):
+def matmul_library(request):
     """Our kernels' library, built for the host and (on an AVX-512 host) for AVX2 alone;
     on an AVX2 CPU a build failure fails the test."""
     from hetero_sd.backends import native
+    from hetero_sd.backends.options import BackendOptions
 
-    monkeypatch.setenv(native.ENV, "matmul")
-    monkeypatch.setenv(native.MARCH_ENV, request.param)
-    return native.library("matmul")
+    return native.library("matmul", BackendOptions(native=("matmul",), native_cflags=request.param))
 
 
 def assert_rows_alike(run, a):
@@ -58,18 +57,8 @@ def load_pool_graph(backend, model, device: str, precision: str, budget: int):
     """onnxruntime's graph that gathers attention from the pool (onnx_batch.py): what a
     host runs where SlabAttention cannot be built or does not cover the model, loaded
     here by turning our attention off for the load."""
-    import os
+    from hetero_sd.backends.options import BackendOptions
 
-    from hetero_sd.backends import native
-
-    before = os.environ.get(native.ENV)
-    os.environ[native.ENV] = "matmul"
-    try:
-        runner = backend.load(model, device, precision, budget)
-    finally:
-        if before is None:
-            del os.environ[native.ENV]
-        else:
-            os.environ[native.ENV] = before
+    runner = backend.load(model, device, precision, budget, options=BackendOptions(native=("matmul",)))
     assert runner.kernel_choice.startswith("attention gathered from the pool"), runner.kernel_choice
     return runner

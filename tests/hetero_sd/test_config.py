@@ -78,7 +78,8 @@ def test_defaults_without_a_file_match_the_documented_defaults():
 
 
 def test_empty_file_gives_the_defaults(tmp_path):
-    cfg = load_config(write(tmp_path / "empty.yaml", ""))
+    # (environ={}: no old HETERO_SD_* switch setting an `options:` default, as the suite's conftest does)
+    cfg = load_config(write(tmp_path / "empty.yaml", ""), environ={})
     assert cfg.model_dump() == Config().model_dump()
     assert cfg.source == str(tmp_path / "empty.yaml")
 

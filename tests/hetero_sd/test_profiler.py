@@ -9,6 +9,7 @@ import pytest
 
 from hetero_sd import profile_cli, profiler
 from hetero_sd.backends.base import DeviceInfo, PrecisionInfo
+from hetero_sd.backends.options import BackendOptions
 from hetero_sd.backends.registry import Registry, discover
 from hetero_sd.errors import BackendError, ConfigError
 from hetero_sd.scheduler import Constraints, Placement, plan
@@ -191,7 +192,6 @@ def test_a_draft_step_is_measured_as_the_runner_drafts(tiny_model_dir, tmp_path,
     unpadded), the kernel recorded is the target's, and the splitter costs a draft model
     with that step while the target keeps its own."""
     monkeypatch.setenv("HETERO_SD_CACHE", str(tmp_path))
-    monkeypatch.setenv("HETERO_SD_PAD_SINGLE_ROW", "1")  # padded as a target, on any host
     calls = []  # (drafting yet, tokens) per call
     real_measure = profiler.measure_runner
 
@@ -216,7 +216,8 @@ def test_a_draft_step_is_measured_as_the_runner_drafts(tiny_model_dir, tmp_path,
     monkeypatch.setattr(profiler, "measure_runner", spying)
     target, draft = tiny_model_dir("llama"), tiny_model_dir("llama", seed=1)
     settings = profiler.ProfileSettings.quick(2)
-    report = profiler.profile_models([target, draft], ["onnxruntime"], ["int8"], settings)
+    padded = BackendOptions(pad_single_row="pairs")  # padded as a target, on any host
+    report = profiler.profile_models([target, draft], ["onnxruntime"], ["int8"], settings, options=padded)
     assert not report.failures
     per_model = 1 + settings.repeats  # a warm-up and the repeats, each of decode_steps one-token calls
     drafting = [n for d, n in calls if d]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import mmap
-import os
 import platform
 import subprocess
 import sys
@@ -259,7 +258,8 @@ def test_an_idle_hook_runs_while_asleep_and_can_abort_the_wait():
 def test_without_libatomic_x86_falls_back_to_always_waking():
     code = (
         "import mmap, threading\n"
-        "from hetero_sd.transport.sync import ordering_mode\n"
+        "from hetero_sd.transport.sync import ordering_mode, without_libatomic\n"
+        "without_libatomic()\n"
         "from hetero_sd.transport.ring import Ring, ring_bytes\n"
         "assert ordering_mode() == 'x86-futex-always-wake', ordering_mode()\n"
         "a = Ring.init(memoryview(mmap.mmap(-1, ring_bytes(2, 64))), 2, 64, spin_us=0, check_interval=30)\n"
@@ -270,7 +270,6 @@ def test_without_libatomic_x86_falls_back_to_always_waking():
         "    a.send(bytes([i % 256])); assert b.recv(timeout=20) == bytes([i % 256])\n"
         "t.join(); print('ok')\n"
     )
-    env = dict(os.environ, HETERO_SD_NO_LIBATOMIC="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
