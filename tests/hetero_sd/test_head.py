@@ -35,8 +35,9 @@ from helpers.tiny_models import random_prompt
 
 REGISTRY = discover()
 STEPS = 300
-# Prompts like the training ones (the same templates) but not among the 16 it trained on
-UNSEEN = D.instruction_prompts()[20:28]
+PROMPTS = 64  # self-distilled responses: what the head drafts at serving time
+# Prompts like the training ones (the same templates) but not among the PROMPTS it trained on
+UNSEEN = D.instruction_prompts()[PROMPTS:PROMPTS + 8]
 
 
 def _yaml(tmp: Path, model: Path, drafter: str, backend: str = "torch") -> Path:
@@ -52,9 +53,13 @@ def trained(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("llama")
     out = tmp_path_factory.mktemp("head")
     cfg = load_config(_yaml(out, model, "{kind: ngram}"))
-    opts = TrainOptions(prompts=16, max_new_tokens=48, source_chunks=8, text_chars=1200, seq_len=64, window=64,
-                        batch=2, gen_batch=8, draft_vocab=160, dtype="fp32", tune_steps=30,
-                        steps=STEPS, lr=2e-3)  # counted steps: the same head on a loaded host
+    # Most of the head's training rows are the target's own greedy responses (as at serving time),
+    # not teacher-forced text it never drafts: with 16 responses and lr 2e-3 the head learned
+    # too little (0.06-0.08 at k 4, depending on the host's float rounding and the seed), and
+    # a test at that edge failed on some hosts; this learns well over twice as much in the same steps.
+    opts = TrainOptions(prompts=PROMPTS, max_new_tokens=48, source_chunks=8, text_chars=1200, seq_len=64,
+                        window=64, batch=2, gen_batch=16, draft_vocab=160, dtype="fp32", tune_steps=30,
+                        steps=STEPS, lr=1e-2)  # counted steps: the same head on a loaded host
     report = train_head(cfg, out, opts)
     return model, out, report, cfg, opts
 
@@ -93,7 +98,9 @@ def test_training_learns(trained, tmp_path):
         engine = Engine.from_config(_yaml(tmp_path, model, f"{{kind: head, head: {head}, k: 4}}"))
         rates[name] = _acceptance(engine, UNSEEN)
     # the loop learns: the trained head's drafts are accepted far more often than its starting point's
-    # (about 0.13 against 0.0 here: a one-layer head emulating a random two-layer model learns slowly)
+    # (0.21 against 0.001 on an AMD AVX-512 host, the same with ATen's AVX2 and scalar kernels;
+    # the first draft of a round about half the time: a one-layer head emulating a random
+    # two-layer model learns slowly; 0.06-0.08 before the responses were most of its data)
     assert rates["trained"] > 2 * rates["untrained"] + 0.06, rates
 
 
@@ -223,16 +230,16 @@ def test_hybrid_is_lossless_and_uses_both_drafters(trained, tmp_path):
 
 
 def test_a_head_reports_its_catch_up_only_after_text_it_did_not_draft(trained, tmp_path):
-    """The first draft runs the prompt's features with it (DraftResult.catch_up_s > 0); a
+    """The first draft runs the prompt's features with it (Round.catch_up_s > 0); a
     round after the head's own drafts runs at most those and the bonus (none reported)."""
     model, out = trained[:2]
     engine = _with_k(Engine.from_config(_yaml(tmp_path, model, f"{{kind: head, head: {out}, k: 2}}")), 2)
     head, results = engine.drafter, []
     draft = head.draft
 
-    def spy(req):
-        got = draft(req)
-        results.append(got)
+    def spy(req, rnd=None):
+        got = draft(req, rnd)
+        results.append(rnd)
         return got
 
     head.draft = spy
