@@ -98,7 +98,7 @@ class GraphRunner(PooledRunner):
         return f"{self._model.source.name} {self.device.backend}:{self.device.device} {self.precision.name}"
 
     def _row_check_folder(self, graph: Path, runtime: str) -> Path:
-        return cache_dir("row-check", self._model, check=CHECK_VERSION, host=host_signature(),
+        return cache_dir("row-check", self._model.source, check=CHECK_VERSION, host=host_signature(),
                          runtime=runtime, graph=str(graph), precision=self.precision.name)
 
     def cached_padding(self, graph: Path, runtime: str) -> Verdict | None:

@@ -45,6 +45,7 @@ class NativeAttention:
             raise ValueError(f"SlabAttention does not cover this model: {why}")
         self.b, self.cfg = b, cfg
         self.caches = _rope_caches(b, cfg)  # [positions + 1, rope_dim / 2]
+        self._empty: str | None = None  # the no-RoPE cache, added to the graph on first use only
 
     def _i64(self, *v):
         return self.b.const(list(v), dtype=np.int64)
@@ -69,7 +70,7 @@ class NativeAttention:
         return out
 
     def _no_rope(self):
-        if not hasattr(self, "_empty"):
+        if self._empty is None:
             self._empty = self.b.const(np.zeros((1, self.cfg.head_dim // 2), np.float32), "norope")
         return self._empty, self._empty
 

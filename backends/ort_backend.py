@@ -131,7 +131,7 @@ def export_onnx(model: ModelIR, precision: str, progress=None, attention: str = 
             extra["pairs"] = int(pairs)
     if cfg.feature_layers:  # a graph with the extra output; the key without it is unchanged
         extra["features"] = list(cfg.feature_layers)
-    folder = cache_dir("onnx", model, graph=GRAPH_VERSION, precision=precision,
+    folder = cache_dir("onnx", model.source, graph=GRAPH_VERSION, precision=precision,
                        onnx=version("onnx"), ort=ort.__version__, **extra)
 
     def lower(path):
@@ -257,7 +257,7 @@ class OrtRunner(GraphRunner):
         target with and without feature outputs (a head drafter's, and target-only
         decoding) must run the same kernel, so that their logits are bitwise the same."""
         runtimes = [self._runtime(n, attention)[1] for n in (False, True)]
-        return cache_dir("kernel-choice", self._model, version=CHOICE_VERSION, host=host_signature(),
+        return cache_dir("kernel-choice", self._model.source, version=CHOICE_VERSION, host=host_signature(),
                          graph=GRAPH_VERSION, precision=self.precision.name, attention=attention,
                          runtimes=runtimes, forced=_forced_key(self.options))
 

@@ -14,9 +14,10 @@ from dataclasses import replace
 
 import sys
 
+from hetero_sd.assets import model_path
 from hetero_sd.backends.base import Runner
 from hetero_sd.config import Config
-from hetero_sd.drafting.build import build_drafter
+from hetero_sd.drafting.build import build_for_target
 from hetero_sd.drafting.specs import ModelSpec, NgramSpec
 from hetero_sd.errors import BackendError, ConfigError, ModelLoadError
 from hetero_sd.failover import where
@@ -25,7 +26,7 @@ from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
                                  replan, replan_if_drifted)
 from hetero_sd.options import config_options
-from hetero_sd.spec import EngineSpec, draft_min_prob, model_path, suffix_spec
+from hetero_sd.spec import EngineSpec, draft_min_prob, suffix_spec
 
 
 def _pinned(section, load: Loader) -> Placement | None:
@@ -154,13 +155,11 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":
             return suffix_spec(cfg) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
-        spec = replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=draft_min_prob(d))
-        # (a draft of another tokenizer drafts through the text, here as in build())
-        return spec if load.shares_tokenizer(draft_path, target_path) else replace(spec, translate=target_path)
+        # (a draft of another tokenizer is made to draft through the text by build_for_target)
+        return replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=draft_min_prob(d))
 
-    vocab = load.ir(target_path).config.vocab_size
     fallback = PlanFallback(plan, lambda placement: load(model_spec(target_path, placement, "target")),
-                            lambda candidate: build_drafter(drafter_spec(candidate), vocab, load))
+                            lambda candidate: build_for_target(drafter_spec(candidate), target_path, load))
     chosen = plan.best if plan.best.k > 0 else None
     if chosen is None and d.k == "auto":  # an adaptive k may turn speculation on later
         chosen = plan.speculative_for(plan.best.target)

@@ -11,19 +11,20 @@ waits for them. `load` is a loading.Loader: the one way runners are loaded.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hetero_sd.auto import plan_engine
 from hetero_sd.backends.registry import discover
+from hetero_sd.cluster.placing import ray_worker, release_places, reserve_places
 from hetero_sd.config import Config
 from hetero_sd.drafting.base import Drafter
-from hetero_sd.drafting.build import build_drafter
-from hetero_sd.drafting.specs import WorkerSpec, model_specs, translated
+from hetero_sd.drafting.build import build_for_target
+from hetero_sd.drafting.specs import WorkerSpec, model_specs
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading import Loader
 from hetero_sd.options import config_options
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
-from hetero_sd.spec import EngineSpec, ray_worker, release_places, reserve_places, spec_from_config
+from hetero_sd.spec import EngineSpec, spec_from_config
 
 
 @dataclass
@@ -43,13 +44,10 @@ def build(spec: EngineSpec, load: Loader) -> Built:
         load.check(model)
     target_ir = load.ir(spec.target.model)
     tokenizer = load.tokenizer(spec.target.model)
-    target = str(target_ir.source)
-    spec = replace(spec, drafter=translated(spec.drafter, target,
-                                            lambda model: not load.shares_tokenizer(model.model, target)))
     spec = reserve_places(spec)  # a Ray placement group, when the config asks for one
     drafter = target = None
     try:
-        drafter = None if spec.drafter is None else build_drafter(spec.drafter, target_ir.config.vocab_size, load)
+        drafter = None if spec.drafter is None else build_for_target(spec.drafter, spec.target.model, load)
         given = split_cores(spec.drafter)  # after the worker started: it pins itself within all CPUs
         if given is not None:  # closing the worker gives this process those CPUs back
             drafter.restore_affinity = given

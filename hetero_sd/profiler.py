@@ -115,7 +115,7 @@ def host_identity() -> dict:
 
 
 def cache_path(ir, placement: Placement, runtime: str, settings: ProfileSettings, host: dict) -> Path:
-    key = json.dumps({"v": PROFILE_VERSION, "host": host, "model": model_identity(ir), "place": str(placement),
+    key = json.dumps({"v": PROFILE_VERSION, "host": host, "model": model_identity(ir.source), "place": str(placement),
                       "runtime": runtime, "settings": asdict(settings)}, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{ir.source.stem}-{placement.backend}-{placement.device}-"

@@ -39,19 +39,19 @@ def cache_root() -> Path:
     return Path(configured_root() or _default_root())
 
 
-def model_identity(model) -> dict:
-    """Identity of the weights on disk (a ModelIR's, or a model path's): every file
-    they come from, with size and mtime."""
-    src = Path(getattr(model, "source", model))
+def model_identity(model: str | Path) -> dict:
+    """Identity of the weights on disk at a model path (a ModelIR's `source`): every
+    file they come from, with size and mtime."""
+    src = Path(model)
     files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in (".safetensors", ".json"))
     return {str(p.resolve()): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
-def cache_dir(kind: str, model, **parts) -> Path:
-    """The folder for `kind` derived from `model` (a ModelIR or a model path)."""
+def cache_dir(kind: str, model: str | Path, **parts) -> Path:
+    """The folder for `kind` derived from `model` (a model path: a ModelIR's `source`)."""
     key = json.dumps({"model": model_identity(model), **parts}, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return cache_root() / kind / f"{Path(getattr(model, 'source', model)).stem}-{digest}"
+    return cache_root() / kind / f"{Path(model).stem}-{digest}"
 
 
 def cached(folder: Path, filename: str, build: Callable[[Path], None]) -> Path:

@@ -77,9 +77,10 @@ def stack(parts: list):
         return parts
     if all(isinstance(p, Dense) for p in parts):
         return Dense(torch.cat([p.w for p in parts]), bias)
-    same = {(type(p), getattr(p, "bits", 0), getattr(p, "group", 0), getattr(p, "zero", 0),
-             getattr(p, "offset", None) is None, p.shape[1]) for p in parts}
-    if len(same) == 1 and isinstance(parts[0], Blocks):
+    if not all(isinstance(p, Blocks) for p in parts):  # dense and block weights mixed
+        return parts
+    same = {(p.bits, p.group, p.zero, p.offset is None, p.shape[1]) for p in parts}
+    if len(same) == 1:
         off = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
         return Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), off,
                       parts[0].zero, parts[0].group, parts[0].bits, sum(p.n for p in parts), parts[0].k,

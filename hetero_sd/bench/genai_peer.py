@@ -57,7 +57,7 @@ def draft_ir_folder(path: Path, ov_genai) -> str:
     from hetero_sd.ir.cache import cache_dir, cached
     from hetero_sd.ir import load_model_ir
 
-    folder = cache_dir("genai-ir", load_model_ir(path), genai=ov_genai.__version__)
+    folder = cache_dir("genai-ir", load_model_ir(path).source, genai=ov_genai.__version__)
 
     def build(xml: Path) -> None:
         link = xml.parent / path.name

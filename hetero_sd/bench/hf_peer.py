@@ -37,7 +37,7 @@ def hf_folder(path: Path, transformers) -> Path:
     from hetero_sd.ir.cache import cache_dir, cached
     from hetero_sd.ir import load_model_ir
 
-    folder = cache_dir("transformers", load_model_ir(path), transformers=transformers.__version__)
+    folder = cache_dir("transformers", load_model_ir(path).source, transformers=transformers.__version__)
 
     def build(config_json: Path) -> None:
         import torch

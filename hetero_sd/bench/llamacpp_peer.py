@@ -114,7 +114,7 @@ class _Counting:
 
     def reset(self) -> None:
         self.calls.clear()
-        if hasattr(self.inner, "reset"):
+        if isinstance(self.inner, GreedyDraftModel):  # (llama.cpp's prompt lookup keeps no state)
             self.inner.reset()
 
     def __call__(self, input_ids, /, **kwargs):
@@ -213,7 +213,7 @@ def _check(llm, drafter, work: Workload) -> None:
     top = max(max(ids, default=0) for ids in [work.warmup_ids, *work.ids.values()])
     if top >= llm.n_vocab():
         raise Skip(f"prompt token id {top} is outside {Path(llm.model_path).name}'s {llm.n_vocab()} tokens")
-    small = getattr(drafter, "llm", None)
+    small = drafter.llm if isinstance(drafter, GreedyDraftModel) else None  # (prompt lookup has no model)
     if small is not None and small.n_vocab() != llm.n_vocab():
         raise Skip(f"the draft has {small.n_vocab()} tokens, the target {llm.n_vocab()}: not one vocabulary")
 

@@ -40,6 +40,14 @@ class RaySection(RayNode):
     # Places are then chosen by resources, num_cpus and num_gpus (not labels or node_id).
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
 
+    def timeouts(self) -> dict[str, float]:
+        """The actor's call timeouts this section sets (a drafter's worker has its own: none)."""
+        return {}
+
+    def spares(self) -> list[RayNode]:
+        """Where the actor moves when its node dies, in order (the target's only)."""
+        return []
+
 
 class TargetRaySection(RaySection):
     timeout_s: Annotated[float, Field(gt=0)] = 60.0  # a slower verify or decode call means a hung actor
@@ -48,6 +56,12 @@ class TargetRaySection(RaySection):
     # Spare placements, in order: where the target moves (its sequences replayed) when
     # its node or actor dies. Each loads only when it is needed.
     fallback: list[RayNode] = Field(default_factory=list)
+
+    def timeouts(self) -> dict[str, float]:
+        return dict(timeout_s=self.timeout_s, prefill_timeout_s=self.prefill_timeout_s)
+
+    def spares(self) -> list[RayNode]:
+        return self.fallback
 
 
 def check_ray(cfg, path: Path) -> None:
@@ -83,7 +97,7 @@ def check_ray(cfg, path: Path) -> None:
 
 def _check_gpu(key: str, section, path: Path) -> None:
     """Ray hands an actor the GPUs it reserved, renumbered from 0 (CUDA_VISIBLE_DEVICES)."""
-    device = getattr(section, "device", "cpu")
+    device = section.device
     gpus = section.ray.num_gpus if section.ray is not None else 0
     if not device.startswith("cuda"):
         return

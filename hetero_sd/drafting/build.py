@@ -1,8 +1,9 @@
 """The one function that constructs drafters: `build_drafter(spec, target_vocab, load)`.
 
-The engine's builder calls it for the configured tree, placement: auto for
-the plan's choice (and for each failover or re-plan), and a worker process
-for the part of the tree it runs. `load` turns a ModelSpec into a Runner
+The engine's builder and placement: auto (for each failover or re-plan) reach it
+through `build_for_target`, which first makes every draft model of another tokenizer
+than the target's draft through the text; a worker process calls it for the part
+of the tree it runs (already translated). `load` turns a ModelSpec into a Runner
 (hetero_sd.loading.Loader); a WorkerSpec's model loads in its worker.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hetero_sd.drafting.model import ModelDrafter
 from hetero_sd.drafting.ngram import NgramDrafter
 from hetero_sd.drafting.remote import RemoteDrafter
 from hetero_sd.drafting.specs import (CascadeSpec, DrafterSpec, HeadSpec, HybridSpec, ModelSpec, NgramSpec,
-                                      SuffixSpec, WorkerSpec)
+                                      SuffixSpec, WorkerSpec, translated)
 from hetero_sd.drafting.suffix import SuffixDrafter
 from hetero_sd.ir.errors import ConfigError
 from hetero_sd.loading import Loader
@@ -32,6 +33,16 @@ def _suffix_args(spec: SuffixSpec, target_vocab: int) -> dict:
     corpus = load_corpus(spec.corpus, target_vocab) if spec.corpus is not None else ()
     return dict(max_depth=spec.max_depth, factor=spec.factor, min_token_prob=spec.min_token_prob,
                 max_cached_requests=spec.max_cached_requests, corpus=corpus)
+
+
+def build_for_target(spec: DrafterSpec, target_model: str, load: Loader) -> Drafter:
+    """The drafter `spec` describes, drafting for the target `target_model`: a draft
+    model whose tokenizer is not the target's drafts through the target's text (the
+    rule lives here only, for the builder and for auto's failover and re-plans)."""
+    target_ir = load.ir(target_model)
+    target = str(target_ir.source)
+    spec = translated(spec, target, lambda model: not load.shares_tokenizer(model.model, target))
+    return build_drafter(spec, target_ir.config.vocab_size, load)
 
 
 def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = None) -> Drafter:

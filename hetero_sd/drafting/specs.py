@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Callable, ClassVar, Iterator, Union
 
 from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.cluster.placement import RayPlacement
@@ -48,6 +48,12 @@ class ModelSpec:
     # a config's `options:` section)
     options: BackendOptions = DEFAULT_OPTIONS
 
+    # The fields that hold specs, in walking order (walk, rebuilt): the tree's shape is declared here only.
+    children: ClassVar[tuple[str, ...]] = ()
+    # Under sampling it returns draft distributions; an n-gram's, a suffix drafter's and a
+    # cascade's proposals are deterministic (q is one-hot).
+    has_distributions: ClassVar[bool] = True
+
     @property
     def label(self) -> str:
         return f"{Path(self.model).name}@{self.backend}:{self.device}:{self.precision}"
@@ -57,6 +63,9 @@ class ModelSpec:
 class NgramSpec:
     min_ngram: int = 2
     max_ngram: int = 4
+
+    children: ClassVar[tuple[str, ...]] = ()
+    has_distributions: ClassVar[bool] = False
 
     @property
     def label(self) -> str:
@@ -74,6 +83,9 @@ class SuffixSpec:
     min_token_prob: float = 0.1  # stop where the draft's estimated probability falls below
     max_cached_requests: int = 256  # earlier outputs kept (FIFO); 0: this request's context only
     corpus: str | None = None  # a corpus file (drafting/corpus_file.py), pinned in the global tree
+
+    children: ClassVar[tuple[str, ...]] = ()
+    has_distributions: ClassVar[bool] = False
 
     @property
     def label(self) -> str:
@@ -93,6 +105,9 @@ class HeadSpec:
     backend: str = "torch"  # torch | onnxruntime (drafting.build.HEAD_PRECISIONS)
     precision: str = "default"
 
+    children: ClassVar[tuple[str, ...]] = ()
+    has_distributions: ClassVar[bool] = True
+
     @property
     def label(self) -> str:
         return f"head({Path(self.path).name})"
@@ -107,9 +122,8 @@ class HybridSpec:
     head: "HeadSpec | ModelSpec"
     min_match: int = 4
 
-    @property
-    def parts(self) -> tuple:
-        return (self.suffix, self.head)
+    children: ClassVar[tuple[str, ...]] = ("suffix", "head")
+    has_distributions: ClassVar[bool] = True
 
     @property
     def label(self) -> str:
@@ -124,6 +138,9 @@ class CascadeSpec:
     inner: "DrafterSpec"
     stage: ModelSpec
     k: int = 4
+
+    children: ClassVar[tuple[str, ...]] = ("inner", "stage")
+    has_distributions: ClassVar[bool] = False
 
     @property
     def label(self) -> str:
@@ -144,6 +161,12 @@ class WorkerSpec:
     cpus: tuple[int, ...] | None = None  # the worker's CPUs; the engine's process keeps the others
     ray: RayPlacement | None = None  # transport "ray": where the actor goes (hetero_sd/cluster)
 
+    children: ClassVar[tuple[str, ...]] = ("inner",)
+
+    @property
+    def has_distributions(self) -> bool:
+        return self.inner.has_distributions
+
     @property
     def label(self) -> str:
         return f"{self.inner.label}@{self.transport}" + ("-async" if self.mode == "async" else "")
@@ -152,41 +175,47 @@ class WorkerSpec:
 DrafterSpec = Union[NgramSpec, SuffixSpec, ModelSpec, HeadSpec, HybridSpec, CascadeSpec, WorkerSpec]
 
 
+def walk(spec: DrafterSpec | None) -> Iterator[DrafterSpec]:
+    """Every node of the tree, each after its children (in their declared order):
+    the innermost first."""
+    if spec is None:
+        return
+    for name in spec.children:
+        yield from walk(getattr(spec, name))
+    yield spec
+
+
+def rebuilt(spec: DrafterSpec | None, change: Callable[[DrafterSpec], DrafterSpec]) -> DrafterSpec | None:
+    """The tree with `change` applied to every node, each before its children (an outer
+    node's check runs first), and each node's children rebuilt from what `change` returned."""
+    if spec is None:
+        return None
+    node = change(spec)
+    if not node.children:  # a leaf: nothing to rebuild (it stays the object it was)
+        return node
+    return replace(node, **{name: rebuilt(getattr(node, name), change) for name in node.children})
+
+
 def model_specs(spec: DrafterSpec | None) -> Iterator[ModelSpec]:
     """Every model the tree loads, innermost first."""
-    if isinstance(spec, ModelSpec):
-        yield spec
-    elif isinstance(spec, CascadeSpec):
-        yield from model_specs(spec.inner)
-        yield spec.stage
-    elif isinstance(spec, HybridSpec):
-        yield from model_specs(spec.head)
-    elif isinstance(spec, WorkerSpec):
-        yield from model_specs(spec.inner)
+    return (node for node in walk(spec) if isinstance(node, ModelSpec))
 
 
 def translated(spec: DrafterSpec | None, target: str, foreign) -> DrafterSpec | None:
     """The tree with every draft model for which `foreign(model)` holds (its tokenizer
     is not the target's) drafting through the target's text. A cascade stage verifies
     its inner drafter's target ids and cannot: that is an error."""
-    if isinstance(spec, ModelSpec):
-        return replace(spec, translate=target) if foreign(spec) else spec
-    if isinstance(spec, CascadeSpec):
-        if foreign(spec.stage):
-            raise ConfigError(f"{spec.stage.role} {Path(spec.stage.model).name} has another tokenizer than the "
+    def change(node: DrafterSpec) -> DrafterSpec:
+        if isinstance(node, CascadeSpec) and foreign(node.stage):
+            raise ConfigError(f"{node.stage.role} {Path(node.stage.model).name} has another tokenizer than the "
                               "target's: a cascade stage verifies its inner drafter's token ids and must share "
                               "the target's tokenizer (a draft model of another tokenizer drafts as "
                               "drafter.kind: model)")
-        return replace(spec, inner=translated(spec.inner, target, foreign))
-    if isinstance(spec, WorkerSpec):
-        return replace(spec, inner=translated(spec.inner, target, foreign))
-    if isinstance(spec, HybridSpec):
-        return replace(spec, head=translated(spec.head, target, foreign))
-    return spec
+        return replace(node, translate=target) if isinstance(node, ModelSpec) and foreign(node) else node
+
+    return rebuilt(spec, change)
 
 
 def has_distributions(spec: DrafterSpec) -> bool:
-    """Whether the drafter returns draft distributions under sampling (a
-    cascade's, an n-gram's and a suffix drafter's proposals are deterministic: q is one-hot)."""
-    return isinstance(spec, (ModelSpec, HeadSpec, HybridSpec)) or \
-        isinstance(spec, WorkerSpec) and has_distributions(spec.inner)
+    """Whether the drafter returns draft distributions under sampling (each node declares it)."""
+    return spec.has_distributions

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, resolve
 from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.ir.errors import BackendError, ConfigError
+from hetero_sd.ir.model import ModelIR
 
 ENV = "HETERO_SD_FAKE_BACKEND"  # the devices (JSON, or a YAML/JSON file), read when a config loads
 PLUGIN = "fake=hetero_sd.testing.fake_backend:FakeBackend"  # for BackendOptions.plugins
@@ -181,11 +182,11 @@ class FakeBackendSpec(_Spec):
         return self
 
 
-def _model_key(model) -> tuple[str, ...] | None:
+def _model_key(model: ModelIR | str | Path | None) -> tuple[str, ...] | None:
     """The names a model is known by in `model_costs`: path, file/folder name, stem."""
     if model is None:
         return None
-    path = Path(getattr(model, "source", model))
+    path = Path(model.source if isinstance(model, ModelIR) else model)
     return (str(path), path.name, path.stem)
 
 

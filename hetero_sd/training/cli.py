@@ -49,9 +49,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from hetero_sd.assets import default_head, model_path
     from hetero_sd.config import load_config
     from hetero_sd.errors import ConfigError
-    from hetero_sd.spec import default_head, model_path
     from hetero_sd.training.head import train_head
     from hetero_sd.training.options import TrainOptions
 

@@ -81,7 +81,7 @@ def chosen_prompts(args) -> list[str]:
 
 def settings(cfg, max_new_tokens: int) -> dict:
     """What decides the answers besides the prompts: a resumed run must match them."""
-    from hetero_sd.spec import model_path
+    from hetero_sd.assets import model_path
 
     t = cfg.target
     return {"model": Path(model_path(cfg, None)).name, "backend": t.backend, "device": t.device,
@@ -144,11 +144,11 @@ def answer(engine, prompts: list[str], done: list[dict], partial: Path, max_new_
 
 
 def run(args) -> int:
+    from hetero_sd.assets import default_corpus, model_path
     from hetero_sd.config import load_config
     from hetero_sd.drafting.corpus_file import save_corpus
     from hetero_sd.engine import Engine
     from hetero_sd.profiler import cpu_model
-    from hetero_sd.spec import default_corpus, model_path
 
     if args.max_new_tokens <= 0 or (args.prompts is not None and args.prompts <= 0):
         raise ConfigError("--max-new-tokens and --prompts must be positive")

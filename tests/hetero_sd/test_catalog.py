@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from hetero_sd import catalog
+from hetero_sd.assets import model_path
 from hetero_sd.catalog import CatalogEntry, Package
 from hetero_sd.cli import main
 from hetero_sd.config import load_config, resolve_model
 from hetero_sd.errors import ConfigError, ModelLoadError
-from hetero_sd.spec import model_path
 
 SIZES = (5000, 12345, 7)  # several pieces each once PIECE is small; the last one shorter than a piece
 

@@ -314,7 +314,7 @@ def test_packaged_head_drafts_the_embedded_model(smollm2_gguf, tmp_path):
     the serving target (onnxruntime int4, the head on onnxruntime) its drafts are accepted on
     open prompts it never saw (about a third at the first position, 0.17 of all at k 3, where an
     untrained head gets none), and the output is the target's."""
-    from hetero_sd.spec import default_head, packaged_head
+    from hetero_sd.assets import default_head, packaged_head
 
     assert not (default_head(str(smollm2_gguf)) / "config.json").exists()  # (the session's empty cache)
     assert (packaged_head(str(smollm2_gguf)) / "model.safetensors").stat().st_size < 16 << 20

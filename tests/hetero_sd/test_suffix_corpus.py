@@ -19,13 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetero_sd.assets import default_corpus, packaged_corpus
 from hetero_sd.config import load_config
 from hetero_sd.drafting.corpus_file import corpus_info, load_corpus, save_corpus
 from hetero_sd.drafting.suffix import SuffixDrafter
 from hetero_sd.drafting.suffix_global import GlobalTree
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.work import DraftRequest
-from hetero_sd.spec import default_corpus, packaged_corpus, spec_from_config
+from hetero_sd.spec import spec_from_config
 from helpers.suffix_trees import global_counts, ref_counts, ref_draft
 
 ALPHABET = st.integers(min_value=0, max_value=3)
