@@ -40,6 +40,8 @@ from hetero_sd.sampling import accept_greedy
 class CascadeDrafter(Drafter):
     """A Drafter whose proposals are `runner`'s greedy tokens, sped up by `inner`."""
 
+    one_hot = True  # its proposals carry no distribution (module docstring)
+
     def __init__(self, inner: Drafter, runner: Runner, target_vocab: int | None = None, k: int = 4,
                  desc: str = "intermediate", head_vocab: int | None = None):
         vocab = runner.vocab_size if target_vocab is None else target_vocab

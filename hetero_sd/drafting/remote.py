@@ -153,6 +153,7 @@ class RemoteDrafter(Drafter):
         self.max_failed_starts = max_failed_starts
         self.options = WorkerOptions(target_vocab, mode, lookahead, threads, cpu, configured_root())
         self.name = f"{spec.label}@{transport}" + ("-async" if mode == "async" else "")
+        self.one_hot = not spec.has_distributions  # (Drafter.one_hot: as its drafter's are)
         self.stats = WorkerStats()
         self._w: _Worker | None = None
         self._ready = self._warm = False

@@ -31,6 +31,7 @@ import numpy as np
 
 from hetero_sd.ir.work import DraftResult, _Record
 from hetero_sd.sampling import Sampler, SamplingParams
+from hetero_sd.scheduler.mode import RequestMode
 from hetero_sd.scheduler.round import Round
 from hetero_sd.transport import CorruptRecord, pack_frame, unpack_frame
 
@@ -149,10 +150,11 @@ def parse_draft(reply: Reply, seq_id: int, k: int, vocab: int, rnd: Round | None
 # ----------------------------------------------------------------------------- sampling state
 _PARAMS = struct.Struct("<ddi")  # temperature, top_p, top_k
 _STATE = struct.Struct("<16s16siI")  # PCG64 state, increment, has_uint32, uinteger
+_MODE = struct.Struct("<i")  # the request's mode (scheduler/mode.py): seeded, one_hot, concurrent bits
 
 
 def sampling_words(sampler: Sampler | None) -> list[int]:
-    """BEGIN's words: the sampling parameters and the draft stream's state."""
+    """BEGIN's words: the sampling parameters, the draft stream's state and the request's mode."""
     if sampler is None:
         return []
     p, state = sampler.params, sampler.draft_rng.bit_generator.state
@@ -161,20 +163,24 @@ def sampling_words(sampler: Sampler | None) -> list[int]:
     raw = _PARAMS.pack(p.temperature, p.top_p, p.top_k) + _STATE.pack(
         state["state"]["state"].to_bytes(16, "little"), state["state"]["inc"].to_bytes(16, "little"),
         state["has_uint32"], state["uinteger"])
+    mode = sampler.mode
+    raw += _MODE.pack(int(mode.seeded) | int(mode.one_hot) << 1 | int(mode.concurrent) << 2)
     return np.frombuffer(raw, dtype="<i4").tolist()
 
 
 def sampler_from_words(words: list[int]) -> Sampler | None:
-    """The worker's Sampler: same warp, the engine's draft stream where it left off."""
+    """The worker's Sampler: same warp, the engine's draft stream where it left off, the request's mode."""
     if not words:
         return None
     raw = np.asarray(words, dtype="<i4").tobytes()
-    if len(raw) != _PARAMS.size + _STATE.size:
-        raise CorruptRecord(f"BEGIN carries {len(raw)} bytes of sampling state, expected "
-                            f"{_PARAMS.size + _STATE.size}")
+    size = _PARAMS.size + _STATE.size + _MODE.size
+    if len(raw) != size:
+        raise CorruptRecord(f"BEGIN carries {len(raw)} bytes of sampling state, expected {size}")
     temperature, top_p, top_k = _PARAMS.unpack_from(raw, 0)
     state, inc, has_uint32, uinteger = _STATE.unpack_from(raw, _PARAMS.size)
-    sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed=0))
+    (bits,) = _MODE.unpack_from(raw, _PARAMS.size + _STATE.size)
+    mode = RequestMode(greedy=False, seeded=bool(bits & 1), one_hot=bool(bits & 2), concurrent=bool(bits & 4))
+    sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed=0), mode)
     bit_gen = np.random.PCG64()
     bit_gen.state = {"bit_generator": "PCG64",
                      "state": {"state": int.from_bytes(state, "little"), "inc": int.from_bytes(inc, "little")},
