@@ -62,9 +62,9 @@ class SourceCounter:
         self.call_s: list[tuple[float, int]] = []  # (seconds, context length)
         drafter.draft = self  # an instance attribute: the engine calls this
 
-    def __call__(self, req):
+    def __call__(self, req, rnd=None):
         t0 = time.perf_counter()
-        result = self.inner(req)
+        result = self.inner(req, rnd)
         seconds = time.perf_counter() - t0
         if req.base_len == 0:
             self.first_s.append(seconds)
