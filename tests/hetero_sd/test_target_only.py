@@ -19,11 +19,11 @@ PROMPT = [5, 9, 13, 5, 9, 13, 5, 9]
 
 @pytest.fixture
 def spy(monkeypatch):
-    """What got built: the roles the Loader loaded, and every build_drafter call."""
+    """What got built: the roles the Loader loaded, and every drafter the builder built."""
     seen = {"loaded": [], "drafters": []}
-    load, make = Loader.__call__, build.build_drafter
+    load, make = Loader.__call__, build.build_for_target
     monkeypatch.setattr(Loader, "__call__", lambda self, spec: seen["loaded"].append(spec.role) or load(self, spec))
-    monkeypatch.setattr(build, "build_drafter",
+    monkeypatch.setattr(build, "build_for_target",
                         lambda spec, *a, **k: seen["drafters"].append(spec) or make(spec, *a, **k))
     return seen
 
