@@ -32,7 +32,7 @@ from helpers.serving import REPO
 
 SLOW = {FAKE_ENV: json.dumps({"simulate_time": True, "devices": [{
     "device": "fake:0", "inner_backend": "onnxruntime", "precisions": [{"name": "int4", "runs_as": "int4"}],
-    "costs": {"prefill_per_token_s": 0.0005, "decode_per_token_s": 0.04, "verify_base_s": 0.04}}]})}
+    "costs": {"prefill_per_token_s": 0.0005, "decode_per_token_s": 0.12, "verify_base_s": 0.12}}]})}
 TURNS = ["What is the capital of France?", "And of Italy?"]
 STATS = re.compile(r"last turn: prompt (\d+) tokens, (\d+) reused from the previous turn, (\d+) prefilled")
 
@@ -72,6 +72,8 @@ def test_chat_session_under_a_terminal(smollm2_gguf, tmp_path):
     child.sendline("Write a long story about a robot.")
     child.expect_exact("story about a robot.\r\n")
     child.expect(r"\S", timeout=120)  # the reply has begun
+    # (a 24-token reply lasts about 2.5 s at SLOW's costs: Ctrl-C lands inside it even when this
+    # process waits for the CPU; at 0.04 s a token it lasted 0.9 s, and a loaded run missed it)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     child.expect_exact("(reply stopped)")
     child.expect("> ")
