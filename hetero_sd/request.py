@@ -212,9 +212,8 @@ class Request:
     def score_logits(self, logits):
         """What score() returns, from the target's logits for this request's rows
         (a batched forward's share)."""
-        step, history = self._pending[0] if self._pending is not None else None, self.history
-        return self.scorer.score(logits, history.ids[:history.prompt_len], history.output,
-                                 step.drafts if step is not None else [])
+        step = self._pending[0] if self._pending is not None else None
+        return self.scorer.score(logits, self.history, step.drafts if step is not None else [])
 
     def accept(self, step: VerifyRequest, scored, verify_s: float | None = None) -> bool:
         """Accept against the target's scores for the step's rows and commit (the

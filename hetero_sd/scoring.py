@@ -41,11 +41,11 @@ class Scorer:
         """Greedy ids are the target's argmax alone (the runner's greedy call serves them)."""
         return self.constrainer is None and self.sampler is None and self.top is None and self.penalties is None
 
-    def score(self, logits, prompt: list[int], output: list[int], drafts: list[int]):
+    def score(self, logits, history, drafts: list[int]):
         """Greedy ids, or float64 distributions when sampling, from the target's logits
-        for a step's rows (prompt and output: the request's history; drafts: the step's)."""
-        if self.penalties is not None:
-            logits = penalize(logits, self.penalties, prompt, output, drafts)
+        for a step's rows (history: the request's TokenHistory; drafts: the step's)."""
+        if self.penalties is not None:  # (the history is copied only where penalties read it)
+            logits = penalize(logits, self.penalties, history.ids[:history.prompt_len], history.output, drafts)
         if self.constrainer is not None:
             logits = self.constrainer.apply(logits)
         if self.sampler is None:
