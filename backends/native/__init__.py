@@ -32,6 +32,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -47,6 +48,10 @@ SOURCES = ("ort_api.h", "block_simd.h", "vec_math.h", "gguf_blocks.h", "block_ma
 # -ffp-contract=off: a multiply and an add stay two roundings wherever the compiler
 # inlines them, so every copy of a loop rounds alike (the ops' row invariance)
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden")
+# How long the compiler may run (seconds): a hung one makes the build fail (NativeUnavailable,
+# so the graphs use onnxruntime's own ops) instead of hanging the model's load
+VERSION_TIMEOUT_S = 30.0  # `cc --version`
+COMPILE_TIMEOUT_S = 300.0  # the kernels' build: a few seconds on an idle host
 
 
 class NativeUnavailable(RuntimeError):
@@ -61,6 +66,26 @@ def _compiler() -> list[str]:
     return shlex.split(cc)
 
 
+def _run(cc: list[str], args: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    """Run the compiler `cc` on `args`, its output captured. Past `timeout` seconds it is killed with
+    every process it started (its own session: a driver's cc1 and as too) and NativeUnavailable says so."""
+    with subprocess.Popen([*cc, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as exc:  # the timeout, or Ctrl-C while it ran: nothing of it outlives the call
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (AttributeError, OSError):  # no process groups (Windows), or already gone
+                proc.kill()
+            proc.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise NativeUnavailable(f"the C compiler {' '.join(cc)} timed out after {timeout:g} s "
+                                        f"({what})") from None
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @lru_cache(maxsize=None)
 def _build(extra_flags: str) -> Path:
     import platform
@@ -72,7 +97,7 @@ def _build(extra_flags: str) -> Path:
         raise NativeUnavailable("this CPU has no AVX2")
     cc = _compiler()
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+        version = _run(cc, ["--version"], VERSION_TIMEOUT_S, "--version").stdout.splitlines()[:1]
     except OSError as e:
         raise NativeUnavailable(f"cannot run {' '.join(cc)}: {e}") from e
     flags = (*FLAGS, *shlex.split(extra_flags))
@@ -82,7 +107,8 @@ def _build(extra_flags: str) -> Path:
     sources = [str(HERE / name) for name in SOURCES if name.endswith(".c")]
 
     def compile_to(target: Path) -> None:
-        run = subprocess.run([*cc, *flags, *sources, "-lm", "-o", str(target)], capture_output=True, text=True)
+        run = _run(cc, [*flags, *sources, "-lm", "-o", str(target)], COMPILE_TIMEOUT_S,
+                   "building the native kernels")
         if run.returncode != 0:
             raise NativeUnavailable(f"{' '.join(cc)} failed on the native kernels: {run.stderr.strip()[-400:]}")
 
