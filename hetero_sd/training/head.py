@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
 import sys
 import time
 from dataclasses import asdict, replace
@@ -167,6 +169,51 @@ def _autocast(dtype: torch.dtype):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write `state` to `path` whole or not at all: into a temporary file in the same folder, flushed
+    to disk, then renamed over `path` (a crash mid-write leaves the previous checkpoint intact).
+    `state` holds only what `load_checkpoint`'s restricted unpickler reads back: tensors, dicts,
+    lists, tuples, strings, ints, floats, bools and None."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # the rename itself survives a power cut once the folder's entry is on disk
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # a platform without directory handles (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint `save_checkpoint` wrote, read with torch's weights-only unpickler: a file that
+    holds anything but plain data (an object whose unpickling would run code) is refused."""
+    from hetero_sd.errors import ConfigError
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path}: refused: not a plain-data training checkpoint ({first[:200]}); "
+                          "delete it to train from the start") from None
+    if not isinstance(state, dict) or not {"head", "opt", "step", "seed"} <= state.keys():
+        raise ConfigError(f"{path}: not a training checkpoint (no head, opt, step and seed); "
+                          "delete it to train from the start")
+    return state
+
+
 def train(head: EagleHead, store: ExampleStore, lm_rows: torch.Tensor, opts: TrainOptions, ckpt: Path,
           resume: bool, dtype: torch.dtype = torch.float32) -> dict:
     """Train to the time or step budget; a checkpoint every `save_every` steps. A resumed run
@@ -176,7 +223,7 @@ def train(head: EagleHead, store: ExampleStore, lm_rows: torch.Tensor, opts: Tra
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     step, rng, finished = 0, np.random.default_rng(opts.seed), False
     if resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = load_checkpoint(ckpt)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, rng = state["step"], np.random.default_rng(state["seed"] + state["step"])
@@ -191,8 +238,8 @@ def train(head: EagleHead, store: ExampleStore, lm_rows: torch.Tensor, opts: Tra
         return step / opts.steps if opts.steps else (time.monotonic() - t0) / budget
 
     def save(finished: bool = False) -> None:
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "seed": opts.seed,
-                    "finished": finished}, ckpt)
+        save_checkpoint(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": int(step),
+                               "seed": int(opts.seed), "finished": bool(finished)})
 
     head.train()
     batches, agree = _sampler(store, train_ids, lm_rows, opts, rng), []

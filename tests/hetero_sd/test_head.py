@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -331,3 +332,96 @@ def test_packaged_head_drafts_the_embedded_model(smollm2_gguf, tmp_path):
         assert spec.token_ids == engine.generate_ids(ids, 32, target_only=True).token_ids
         drafted, accepted = drafted + spec.stats.drafted, accepted + spec.stats.accepted
     assert accepted > 0.1 * drafted, (accepted, drafted)
+
+
+def _small_run(tiny_model_dir, folder: Path):
+    """A head, example store and LM rows small enough to train a few steps in a second."""
+    from hetero_sd.training.head import lm_rows
+    from hetero_sd.training.store import ExampleStore
+
+    ir = load_model_ir(tiny_model_dir("llama"))
+    cfg = HeadConfig.for_target(ir.config, 32)
+    ids = np.arange(cfg.draft_vocab)
+    H = ir.config.hidden_size
+    store = ExampleStore(folder / "store", len(cfg.feature_layers) * H, H)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        store.append(rng.integers(0, cfg.draft_vocab, 12), rng.standard_normal((12, store.F)),
+                     rng.standard_normal((12, H)))
+    return (lambda: init_head(cfg, ir, ids, seed=0)), store, lm_rows(ir, ids)
+
+
+def test_checkpoints_are_plain_data_and_resume(tiny_model_dir, tmp_path):
+    """A checkpoint reads back through torch's weights-only unpickler (head, optimizer, step, seed,
+    finished), and a run resumes from it: an unfinished one to its step budget, a finished one not at all."""
+    from hetero_sd.training.head import load_checkpoint, save_checkpoint, train
+
+    new_head, store, lm = _small_run(tiny_model_dir, tmp_path)
+    ckpt = tmp_path / "checkpoint.pt"
+    opts = TrainOptions(window=8, batch=2, ttt_steps=2, steps=4, save_every=2, lr=1e-3)
+    assert train(new_head(), store, lm, opts, ckpt, resume=False)["steps"] == 4
+    state = torch.load(ckpt, weights_only=True)
+    assert (state["step"], state["seed"], state["finished"]) == (4, 0, True) and state["opt"]["state"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    # a run stopped at step 4 of 6 goes on from there
+    save_checkpoint(ckpt, {**load_checkpoint(ckpt), "finished": False})
+    opts6 = replace(opts, steps=6)
+    assert train(new_head(), store, lm, opts6, ckpt, resume=True)["steps"] == 6
+    assert load_checkpoint(ckpt)["step"] == 6
+    # a finished run is not trained again: the head comes back as the checkpoint holds it
+    head = new_head()
+    assert train(head, store, lm, replace(opts6, steps=9), ckpt, resume=True)["steps"] == 6
+    saved = load_checkpoint(ckpt)["head"]
+    assert all(torch.equal(v, saved[k]) for k, v in head.state_dict().items())
+
+
+class _RunsCode:
+    """Unpickles by calling exec: what a crafted checkpoint would do with the full unpickler."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tiny_model_dir, tmp_path):
+    from hetero_sd.training.head import train
+
+    new_head, store, lm = _small_run(tiny_model_dir, tmp_path)
+    marker, ckpt = tmp_path / "ran", tmp_path / "checkpoint.pt"
+    torch.save({"head": _RunsCode(marker), "opt": {}, "step": 0, "seed": 0}, ckpt)
+    opts = TrainOptions(window=8, batch=2, ttt_steps=2, steps=2, save_every=2)
+    with pytest.raises(ConfigError, match="checkpoint.pt: refused"):
+        train(new_head(), store, lm, opts, ckpt, resume=True)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_write_that_fails_midway_keeps_the_last_one(tiny_model_dir, tmp_path, monkeypatch):
+    """A crash while the checkpoint is written (here: torch.save raising after half its bytes) leaves
+    the previous checkpoint whole, and no partial file beside it."""
+    from hetero_sd.training.head import load_checkpoint, train
+
+    new_head, store, lm = _small_run(tiny_model_dir, tmp_path)
+    ckpt = tmp_path / "checkpoint.pt"
+    opts = TrainOptions(window=8, batch=2, ttt_steps=2, steps=2, save_every=2)
+    train(new_head(), store, lm, opts, ckpt, resume=False)
+    before = ckpt.read_bytes()
+    real_save = torch.save
+
+    def crash(obj, f, *args, **kwargs):
+        import io
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        data = buf.getvalue()[:len(buf.getvalue()) // 2]
+        if isinstance(f, (str, Path)):
+            Path(f).write_bytes(data)
+        else:
+            f.write(data)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train(new_head(), store, lm, replace(opts, steps=4), ckpt, resume=False)
+    assert ckpt.read_bytes() == before and load_checkpoint(ckpt)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "store"]
