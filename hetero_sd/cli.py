@@ -63,7 +63,7 @@ def _explain(engine, cfg, target_only: bool = False) -> str:
     from hetero_sd.cluster.explain import explain_cluster
 
     k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max
-    across = explain_cluster(engine, k, sampled=cfg.generation.temperature > 0)
+    across = explain_cluster(engine, k, sampled=not cfg.generation.sampling().greedy)
     return across or ("placement: manual (the config fixes every placement; set placement: auto to let "
                       "the splitter choose)")
 

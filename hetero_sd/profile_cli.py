@@ -113,7 +113,7 @@ def _profile_cluster(cfg, args) -> int:
     engine = Engine.from_config(cfg, progress=args.progress or sys.stderr.isatty())
     try:
         k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max
-        text = explain_cluster(engine, k, sampled=cfg.generation.temperature > 0)
+        text = explain_cluster(engine, k, sampled=not cfg.generation.sampling().greedy)
     finally:
         engine.close()
     print(json.dumps({"cluster": text}) if args.json else text)

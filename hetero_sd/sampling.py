@@ -32,6 +32,7 @@ from the seed): reproducible with the same seed and the same draft lengths.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,9 +40,15 @@ import numpy as np
 from hetero_sd.errors import GenerationError
 
 
+# Temperatures below this decode greedily, as 0 does (vLLM's _SAMPLING_EPS): logits divided by a
+# tinier one overflow (1e-310, a subnormal, makes every logit inf and the probabilities NaN), and
+# any one this small puts all the mass on the argmax anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax, no randomness)
+    temperature: float = 0.0  # 0 (or under GREEDY_BELOW) = greedy (argmax, no randomness)
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
     seed: int | None = None  # None = a fresh random seed per request
@@ -61,6 +68,8 @@ class SamplingParams:
                 raise GenerationError(f"{name} must be a number, got {value!r}")
         if self.temperature < 0:
             raise GenerationError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if math.isinf(self.temperature):
+            raise GenerationError(f"temperature must be finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -88,7 +97,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or one under GREEDY_BELOW (every reader of the
+        temperature goes by this, and `warp` gives such params the argmax one-hot)."""
+        return self.temperature < GREEDY_BELOW
 
     def describe(self) -> str:
         text = "greedy" if self.greedy else \
@@ -129,7 +140,13 @@ def penalize(logits: np.ndarray, params: SamplingParams, prompt: list[int], outp
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """float64 probabilities [n, V] from logits [n, V] (or [V])."""
+    """float64 probabilities [n, V] from logits [n, V] (or [V]); greedy params (`SamplingParams.greedy`)
+    give the argmax one-hot, never a division by a temperature under GREEDY_BELOW."""
+    if params.greedy:
+        x = np.atleast_2d(np.asarray(logits, dtype=np.float64))
+        probs = np.zeros_like(x)
+        np.put_along_axis(probs, x.argmax(axis=-1)[:, None], 1.0, axis=-1)
+        return probs
     x = np.asarray(logits, dtype=np.float64) / params.temperature
     x = np.atleast_2d(x).copy()
     vocab = x.shape[-1]

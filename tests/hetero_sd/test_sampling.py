@@ -122,6 +122,7 @@ def test_warp_matches_transformers():
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"temperature": float("nan")}, "temperature must be a number"),
+    ({"temperature": float("inf")}, "temperature must be finite"),
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
@@ -134,6 +135,28 @@ def test_bad_sampling_parameters(kwargs, message):
     engine = Engine(TableRunner(VOCAB, seed=0), None)
     with pytest.raises(GenerationError, match=message.replace("(", r"\(").replace("]", r"\]")):
         engine.generate_ids(PROMPT, 4, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-6])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(temperature):
+    """Under GREEDY_BELOW (1e-5) a temperature is greedy, as 0 is: logits over a subnormal one
+    overflow to inf and their probabilities to NaN, so nothing may divide by it."""
+    params = SamplingParams(temperature)
+    assert params.greedy and params.describe() == "greedy"
+    logits = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32) * 3
+    probs = warp(logits, params)
+    assert np.isfinite(probs).all()
+    np.testing.assert_array_equal(probs, np.eye(50)[logits.argmax(-1)])
+    with pytest.raises(ValueError, match="a Sampler is for temperature > 0"):
+        Sampler(params)
+    target = TableRunner(VOCAB, seed=0)
+    for drafter in (None, NgramDrafter(1, 2)):
+        engine = Engine(target, drafter, k=3)
+        want = engine.generate_ids(PROMPT, 24).token_ids
+        assert engine.generate_ids(PROMPT, 24, sampling=SamplingParams(temperature, seed=5)).token_ids == want
+        assert engine.generate_ids(PROMPT, 24, temperature=temperature).token_ids == want
+    assert not SamplingParams(1e-5).greedy  # the floor itself samples (finitely: logits / 1e-5)
+    assert np.isfinite(warp(logits, SamplingParams(1e-5))).all()
 
 
 def test_unknown_sampling_option_is_an_error():
