@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from typing import Callable
 
 from hetero_sd.constraint import Constraint
@@ -29,6 +30,8 @@ from hetero_sd.scheduler.mode import RequestMode
 from hetero_sd.scheduler.round import DraftLengthPolicy
 from hetero_sd.stats import GenerationStats
 from hetero_sd.stopping import StopChecker, TextStream
+
+_COMPILER_LOCK = threading.Lock()
 
 
 class Engine:
@@ -129,9 +132,15 @@ class Engine:
 
         if self.tokenizer is None:
             raise ConstraintError(f"{constraint.where}: constrained decoding needs the engine's tokenizer")
-        if self._compiler is None:
-            self._compiler = GuideCompiler(self.tokenizer, self.target_runner.vocab_size, tuple(self.eos_ids))
+        with _COMPILER_LOCK:  # (a server compiles on worker threads while its batch thread runs)
+            if self._compiler is None:
+                self._compiler = GuideCompiler(self.tokenizer, self.target_runner.vocab_size, tuple(self.eos_ids))
         return self._compiler.guide(constraint)
+
+    def compile_constraint(self, constraint: Constraint | dict) -> None:
+        """Compile and cache a constraint's grammar now (a server does it on a worker thread),
+        so the request using it starts without the wait; ConstraintError for a bad one."""
+        self._guide(Constraint.of(constraint))
 
     def _params(self, sampling: SamplingParams | None, overrides: dict) -> SamplingParams:
         known = [f.name for f in dataclasses.fields(SamplingParams)]

@@ -20,6 +20,7 @@ a request copies the cached matcher instead of compiling again.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -95,21 +96,25 @@ class GuideCompiler:
         self.vocab = max(vocab, _tokenizer_size(tokenizer))
         self._tokenizer = _ll_tokenizer(tokenizer, self.vocab, tuple(sorted(eos_ids)))
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def guide(self, constraint) -> "Guide":
+        """A fresh Guide; safe from several threads (a compile runs outside the cache's lock)."""
         key = (constraint.kind, constraint.source)
-        matcher = self._compiled.get(key)
+        with self._lock:
+            matcher = self._compiled.get(key)
         if matcher is None:
             constraint.check()  # the user's errors, worded as at load (jsonschema's, then llguidance's)
             grammar = check_grammar(constraint, self._tokenizer)
             matcher = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
             if matcher.is_error():
                 raise ConstraintError(f"{constraint.where}: {_first_lines(matcher.get_error())}")
+        with self._lock:
             self._compiled[key] = matcher
+            self._compiled.move_to_end(key)
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return Guide(matcher.deep_copy(), self.vocab, constraint)
+            return Guide(matcher.deep_copy(), self.vocab, constraint)
 
 
 _TOKENIZERS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()

@@ -10,13 +10,18 @@ event with text (TextStream guarantees the deltas add up to the final text),
 so streamed and whole responses carry the same text.
 
 Every error is OpenAI's JSON error body with the right status: validation and
-request errors 400, a bad key 401, a full queue 429 with Retry-After, a
-draining server 503.
+request errors 400, a bad key 401, a Host not served 403, a slow body 408, a
+large one 413, a full queue 429 with Retry-After, a draining server or a dead
+batch engine 503 (serve/guard.py checks hosts, keys and bodies first).
+
+Tokenizing, chat templates, schema checks and grammar compiles run on a worker
+thread, never on the event loop nor under the batch engine's lock, so a slow
+compile stalls neither /health, /metrics nor running streams.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 import logging
 import math
 import threading
@@ -32,12 +37,12 @@ from hetero_sd.sampling import SamplingParams
 from hetero_sd.serve import protocol as p
 from hetero_sd.serve import tools
 from hetero_sd.serve.batch import BatchEngine, QueueFull, ShuttingDown, Submission
+from hetero_sd.serve.guard import Guard, error
+from hetero_sd.serve.limits import ServeLimits
 from hetero_sd.serve.metrics import Metrics, placement
 from hetero_sd.serve.responses import serve_choices
 
 log = logging.getLogger("hetero_sd.serve")
-
-MAX_BODY = 8 * 2**20  # bytes; a request body past it is refused before it is read
 
 
 class ServerState:
@@ -45,15 +50,17 @@ class ServerState:
 
     def __init__(self, engine, model_name: str, *, max_running: int = 16, max_waiting: int = 64,
                  api_key: str | dict[str, float] | None = None, drain_s: float = 30.0, speculate: bool = True,
-                 prefix_cache: int = 8):
-        # key -> the priority its requests get when they name none ({} = no key needed)
+                 prefix_cache: int = 8, limits: ServeLimits = ServeLimits(), bind: str = "127.0.0.1",
+                 faults=None, on_death=None):
+        # key -> its priority: what its requests get when they name none, and the most they may name
+        # ({} = no key needed)
         self.api_keys = {api_key: 0.0} if isinstance(api_key, str) else dict(api_key or {})
         self.engine, self.model_name = engine, model_name
-        self.drain_s, self.speculate = drain_s, speculate
+        self.drain_s, self.speculate, self.limits, self.bind = drain_s, speculate, limits, bind
         self.metrics = Metrics(model_name, **placement(engine))
         self.batch = BatchEngine(engine, max_running=max_running, max_waiting=max_waiting,
                                  on_finish=self.metrics.on_finish, on_step=self.metrics.on_step,
-                                 prefix_cache=prefix_cache)
+                                 prefix_cache=prefix_cache, faults=faults, on_death=on_death)
         self.metrics.watch(self.batch)
         self.created = p.now()
         self.draining = False
@@ -94,14 +101,11 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     _errors(app)
     _routes(app, state)
-    app.add_middleware(Guard, api_keys=state.api_keys)
+    app.add_middleware(Guard, api_keys=state.api_keys, limits=state.limits, bind=state.bind)
     return app
 
 
 # ------------------------------------------------------------------ errors
-def error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
-    return JSONResponse(p.error_body(message, status, kind), status_code=status, headers=headers)
-
 
 def _validation_message(exc: RequestValidationError) -> str:
     """One readable line per offending field, never echoing the input (it may be huge)."""
@@ -151,41 +155,12 @@ def _errors(app: FastAPI) -> None:
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-class Guard:
-    """ASGI middleware run before any body is read: the API key (every path but /health) and
-    the body size bound, so an unauthenticated or oversized request costs nothing."""
-
-    def __init__(self, app, api_keys: dict[str, float]):
-        self.app, self.api_keys = app, api_keys
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope.get("headers") or [])
-            refusal = self._refuse(scope, headers)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refuse(self, scope, headers: dict):
-        if self.api_keys and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"").decode("latin-1").encode()
-            # every key compared in constant time, so timing tells nothing about any of them
-            matches = [key for key in self.api_keys if hmac.compare_digest(given, f"Bearer {key}".encode())]
-            if not matches:
-                return error(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                             "authentication_error", {"WWW-Authenticate": "Bearer"})
-            scope.setdefault("state", {})["key_priority"] = self.api_keys[matches[0]]
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > MAX_BODY:
-            return error(413, f"the request body must be at most {MAX_BODY} bytes")
-        return None
-
-
 # ------------------------------------------------------------------ routes
 def _routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
+        if state.batch.failure is not None:  # what a supervisor's probe sees before the process exits
+            return JSONResponse({"status": "failed", "error": state.batch.failure}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
@@ -200,9 +175,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise GenerationError("give one of prompt or messages")
         if body.messages is not None:
-            ids = _chat_ids(state, p.ChatRequest(messages=body.messages))
+            ids = await asyncio.to_thread(_chat_ids, state, p.ChatRequest(messages=body.messages))
         else:
-            ids = list(state.engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+            ids = await asyncio.to_thread(lambda: list(state.engine.tokenizer(
+                body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.batch.target.max_context}
 
     @app.post("/detokenize")
@@ -217,23 +193,43 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: HTTPRequest):
-        _refuse_unsupported(body)
-        try:
-            prompt = body.single_prompt()
-        except ValueError as exc:
-            raise GenerationError(str(exc)) from None
-        ids = state.engine.encode(prompt, chat_template=False) if isinstance(prompt, str) else \
-            _checked_ids(state, prompt)
-        return await serve_choices(state, request, "completion", body, ids, _submissions(state, request, body, ids,
-                                                                                          body.max_tokens))
+        ids, subs = await asyncio.to_thread(_prepare, state, request, body, _completion_ids, body.max_tokens)
+        return await serve_choices(state, request, "completion", body, ids, subs)
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, request: HTTPRequest):
-        _refuse_unsupported(body)
-        ids = _chat_ids(state, body)
-        return await serve_choices(state, request, "chat", body, ids, _submissions(state, request, body, ids,
-                                                                                    body.budget),
+        ids, subs = await asyncio.to_thread(_prepare, state, request, body, _chat_ids, body.budget)
+        return await serve_choices(state, request, "chat", body, ids, subs,
                                    tool_calls=bool(body.tools) and body.tool_choice != "none")
+
+
+def _prepare(state: ServerState, request: HTTPRequest, body: p._Generate, encode, max_tokens: int | None):
+    """(prompt ids, one Submission per choice), on a worker thread: everything slow a request
+    needs before it can queue (templates, tokenizing, schema checks, the grammar's compile)."""
+    _refuse_unsupported(body)
+    _bounded_schemas(state, body)
+    ids = encode(state, body)
+    subs = _submissions(state, request, body, ids, max_tokens)
+    if subs[0].constraint is not None:  # compiled (and cached) here: the batch thread finds it ready
+        state.engine.compile_constraint(subs[0].constraint)
+    return ids, subs
+
+
+def _completion_ids(state: ServerState, body: p.CompletionRequest) -> list[int]:
+    try:
+        prompt = body.single_prompt()
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from None
+    return state.engine.encode(prompt, chat_template=False) if isinstance(prompt, str) else \
+        _checked_ids(state, prompt)
+
+
+def _bounded_schemas(state: ServerState, body: p._Generate) -> None:
+    cap = state.limits.max_schema_bytes
+    for name in ("response_format", "tools"):
+        value = getattr(body, name, None)
+        if value is not None and len(json.dumps(value)) > cap:
+            raise GenerationError(f"{name} is larger than this server's limit of {cap} bytes as JSON")
 
 
 def _refuse_unsupported(body: p._Generate) -> None:
@@ -277,16 +273,24 @@ def _submissions(state: ServerState, request: HTTPRequest, body: p._Generate, id
             raise GenerationError("give response_format or a tool_choice that forces a call, not both")
         constraint = tools.constraint(calls)
     penalties = body.penalties()
-    return [Submission(ids, engine.max_new_tokens if max_tokens is None else max_tokens,
+    if max_tokens is None:  # the config's default, as much of it as the context leaves (never the client's fault)
+        max_tokens = max(1, min(engine.max_new_tokens, state.batch.target.max_context - len(ids)))
+    timeout = state.limits.request_timeout_s if body.timeout is None else \
+        min(body.timeout, state.limits.request_timeout_s)
+    tenant = f"{getattr(request.state, 'tenant', '')}/{body.cache_salt or ''}"
+    return [Submission(ids, max_tokens,
                        SamplingParams(base.temperature if body.temperature is None else body.temperature, top_k,
                                       base.top_p if body.top_p is None else body.top_p,
                                       None if seed is None else seed + i, **penalties),
                        list(engine.stop) if stops is None else stops, _priority(request, body), state.speculate,
-                       constraint, body.top_logprobs)
+                       constraint, body.top_logprobs, tenant, timeout)
             for i in range(body.n)]
 
 
 def _priority(request: HTTPRequest, body: p._Generate) -> float:
-    if "priority" in body.model_fields_set:
-        return float(body.priority)
-    return float(getattr(request.state, "key_priority", 0.0))
+    """The body's priority, capped at its key's own (a key's priority is also its default);
+    an open server has no keys, and no cap."""
+    key = getattr(request.state, "key_priority", None)
+    if "priority" not in body.model_fields_set:
+        return float(key or 0.0)
+    return float(body.priority) if key is None else min(float(body.priority), key)

@@ -14,70 +14,45 @@ runs beside it; its sampler is its own, so a seed reproduces.
 
 Everything runs on one engine thread; `submit` and `Handle.cancel` are safe
 from any thread, and events are delivered on the engine thread (the server
-hands them to its event loop).
+hands them to its event loop). Work that may be slow (a grammar's compile, a
+drafter's fork, a prefix's copy) runs outside the lock `submit` takes.
+
+Failures stay with their request: an error in one request's admission, prefill,
+propose, scoring or accept ends that request alone with finish_reason "error"
+and the cause; only a failed batched target call fails the batch. Should the
+thread die anyway, `failure` says why, every waiting and running request ends
+with an error, `submit` raises EngineDown (503), and `on_death` is called (the
+server exits non-zero then, for its supervisor to restart it).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from hetero_sd.errors import GenerationError, HeteroSDError, KVBudgetError, describe
 from hetero_sd.request import Request
-from hetero_sd.sampling import SamplingParams
 from hetero_sd.scheduler.admission import AdmissionQueue, QueueFull
 from hetero_sd.scheduler.batch_cost import BatchCost
 from hetero_sd.scheduler.batch_gate import SpeculationGate
+from hetero_sd.serve.faults import FaultPlan, fire
 from hetero_sd.serve.prefix import PrefixCache
+from hetero_sd.serve.records import Event, Handle, Submission
 from hetero_sd.stopping import TextStream
 
 log = logging.getLogger("hetero_sd.serve")
 
-__all__ = ["BatchEngine", "Event", "Handle", "QueueFull", "ShuttingDown", "Submission"]
+__all__ = ["BatchEngine", "EngineDown", "Event", "Handle", "QueueFull", "ShuttingDown", "Submission"]
 
 
 class ShuttingDown(HeteroSDError):
     """The server stopped admitting requests."""
 
 
-@dataclass
-class Submission:
-    """What a client asks the server for (the engine's Request is made at admission)."""
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop: list[str] = field(default_factory=list)
-    priority: float = 0.0
-    speculate: bool = True  # False: target-only for this request
-    constraint: object = None  # hetero_sd.constraint.Constraint (None: the engine's default, if any)
-    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: off)
-
-
-@dataclass
-class Event:
-    """What a request produced since its last event. The final event has
-    finish_reason ("stop" | "length" | "eos" | "context" | "abort" | "cancelled"
-    | "error"), the whole GenerationResult, and for "error" the message."""
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    result: object = None  # hetero_sd.request.GenerationResult on the final event
-    error: str | None = None
-    logprobs: list | None = None  # hetero_sd.scoring.TokenLogprob of token_ids, when asked for
-
-
-class Handle:
-    def __init__(self, request: Submission, on_event: Callable[[Event], None]):
-        self.request, self.on_event = request, on_event
-        self.cancelled = False
-        self.submitted = time.monotonic()
-        self.first_token_at: float | None = None
-
-    def cancel(self) -> None:
-        """Free the request's sequence at the next step boundary (a client that left)."""
-        self.cancelled = True
+class EngineDown(ShuttingDown):
+    """The batch engine's thread died; nothing more is served."""
 
 
 @dataclass
@@ -99,11 +74,14 @@ class BatchEngine:
 
     def __init__(self, engine, max_running: int = 16, max_waiting: int = 64, prefills_per_step: int = 2,
                  ageing_s: float = 10.0, on_finish: Callable[[Handle, object], None] | None = None,
-                 on_step: Callable[[int, int], None] | None = None, prefix_cache: int = 8):
+                 on_step: Callable[[int, int], None] | None = None, prefix_cache: int = 8,
+                 faults: FaultPlan | None = None, on_death: Callable[[str], None] | None = None):
         self.engine = engine
         self.target = engine.target_runner  # (a FailoverRunner: a device failure moves the whole batch)
         self.max_running, self.prefills_per_step = max_running, prefills_per_step
         self.on_finish, self.on_step = on_finish, on_step  # on_step(sequences, rows) after each batched call
+        self.faults, self.on_death = faults, on_death
+        self.failure: str | None = None  # why the engine thread died (None: it did not)
         self.cost = BatchCost()
         self.gate = SpeculationGate()  # whether greedy requests draft, measured per batch size
         # Finished requests' KV kept for prompts that begin alike (prefix.py): only where
@@ -113,6 +91,7 @@ class BatchEngine:
         self._draft_s_per_token = 0.0
         self._queue: AdmissionQueue[Handle] = AdmissionQueue(max_waiting, ageing_s)
         self._running: list[_Live] = []
+        self._popped: list[Handle] = []  # taken from the queue, not yet running
         self._cond = threading.Condition()
         self._admitting = True
         self._drain_deadline: float | None = None
@@ -158,7 +137,11 @@ class BatchEngine:
         """Queue a request; GenerationError (400), QueueFull (429) or ShuttingDown (503) if it cannot."""
         self.check(req)
         handle = Handle(req, on_event)
+        if self.faults is not None:
+            handle.faults = self.faults.matching(req.prompt_ids)
         with self._cond:
+            if self.failure is not None:
+                raise EngineDown(f"the server's batch engine stopped ({self.failure}); it admits nothing")
             if not self._admitting:
                 raise ShuttingDown("the server is shutting down and admits no new request")
             self._queue.push(handle, req.priority)
@@ -184,6 +167,12 @@ class BatchEngine:
     def _loop(self) -> None:
         try:
             self._serve()
+        except BaseException as exc:  # noqa: BLE001 -- a bug of ours or MemoryError: say so, fail fast
+            self.failure = describe(exc)
+            log.critical("the batch engine stopped: %s", self.failure, exc_info=True)
+            self._fail_all(f"the server's batch engine stopped: {self.failure}")
+            if self.on_death is not None:
+                self.on_death(self.failure)
         finally:  # the kept prefixes' sequences go back to the pool
             if self.prefix is not None:
                 self.prefix.clear()
@@ -195,34 +184,56 @@ class BatchEngine:
                     self._cond.wait()
                 if not self._running and not len(self._queue):
                     return  # shutting down, nothing left
-                if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                now = time.monotonic()
+                if self._drain_deadline is not None and now > self._drain_deadline:
                     self._abort_all()
                     return
                 cancelled = self._queue.remove(lambda h: h.cancelled)
-                admitted = self._admit()
+                expired = self._queue.remove(lambda h: h.expired(now))
+                popped = self._pop_admissions()
+                for handle, _, _ in popped:
+                    fire(handle.faults, "thread")
             for h in cancelled:
                 self._emit_final(h, None, "cancelled")
+            for h in expired:
+                self._emit_final(h, None, "timeout")
+            for live in [x for x in self._running if x.handle.expired(now)]:
+                self._end(live, "timeout")
+            admitted = self._admit(popped)
+            self._popped = []
             try:
                 self._step(admitted)
-            except Exception as exc:  # never kill the loop: fail the batch, keep serving
+            except Exception as exc:  # the batched target call failed: fail the batch, keep serving
                 log.exception("batch step failed")
                 for live in list(self._running):
                     self._end(live, "error", describe(exc))
 
-    def _admit(self) -> list[_Live]:
+    def _pop_admissions(self) -> list[tuple[Handle, float, float]]:
+        """The waiting requests to admit this step (under the lock; built outside it)."""
+        room = min(self.max_running - len(self._running), self.prefills_per_step)
+        popped = []
+        while len(popped) < room and (entry := self._queue.pop()) is not None:
+            popped.append(entry)
+        self._popped = [handle for handle, _, _ in popped]  # (in neither the queue nor the running set)
+        return popped
+
+    def _admit(self, popped: list[tuple[Handle, float, float]]) -> list[_Live]:
         out = []
-        while len(self._running) < self.max_running and len(out) < self.prefills_per_step:
-            popped = self._queue.pop()
-            if popped is None:
-                break
-            handle, priority, arrived = popped
+        for i, (handle, priority, arrived) in enumerate(popped):
             try:
+                fire(handle.faults, "admit")
                 live = self._new_live(handle)
-            except HeteroSDError as exc:
-                if isinstance(exc, KVBudgetError) and self._running:  # no room now: wait for a request to leave
-                    self._queue.push_front(handle, priority, arrived)
+            except KVBudgetError as exc:
+                if self._running:  # no room now: wait (in order) for a request to leave
+                    with self._cond:
+                        for entry in reversed(popped[i:]):
+                            self._queue.push_front(*entry)
                     break
                 self._emit_final(handle, None, "error", str(exc))
+                continue
+            except Exception as exc:  # this request's failure alone (a tokenizer, a grammar, memory)
+                log.warning("admitting a request failed: %s", describe(exc))
+                self._emit_final(handle, None, "error", _cause(exc))
                 continue
             self._queue.served_s = 0.9 * self._queue.served_s + 0.1 * (time.monotonic() - arrived)
             self._running.append(live)
@@ -242,7 +253,7 @@ class BatchEngine:
                 if self.prefix is None or not self.prefix.evict():
                     raise
         cached = 0
-        hit = self.prefix.find(sub.prompt_ids) if self.prefix is not None else None
+        hit = self.prefix.find(sub.prompt_ids, sub.tenant) if self.prefix is not None else None
         if hit is not None:
             try:  # (False: a failover moved the target to a runner that cannot copy)
                 cached = hit.length if self.target.copy_prefix(hit.seq, req.seq, hit.length) else 0
@@ -256,9 +267,10 @@ class BatchEngine:
             if live.handle.cancelled:
                 continue
             try:
+                fire(live.handle.faults, "prefill")
                 done = live.req.start(live.cached)  # the prefill: alone, as a solo run makes it
-            except HeteroSDError as exc:  # this request's failure alone (the others go on)
-                self._end(live, "error", str(exc))
+            except Exception as exc:  # this request's failure alone (the others go on)
+                self._end(live, "error", _cause(exc))
                 continue
             live.started = True
             self._publish(live, done)
@@ -272,8 +284,13 @@ class BatchEngine:
         t_step, committed = time.perf_counter(), sum(x.req.history.output_len for x in started)
         batch = []
         for live in started:
-            # (the gate prices only what the batch prices; a lone step may fill a padded call's free row)
-            step = live.req.propose(draft=draft or not live.req.mode.priced, alone=len(started) == 1)
+            try:
+                fire(live.handle.faults, "propose")
+                # (the gate prices only what the batch prices; a lone step may fill a padded call's free row)
+                step = live.req.propose(draft=draft or not live.req.mode.priced, alone=len(started) == 1)
+            except Exception as exc:
+                self._end(live, "error", _cause(exc))
+                continue
             if step is None:  # the context is full
                 self._publish(live, True)
             else:
@@ -294,7 +311,14 @@ class BatchEngine:
             self._draft_s_per_token = 0.9 * self._draft_s_per_token + 0.1 * spent / drafted
         for (live, step), out in zip(batch, logits):
             share = self.cost.share(len(step.tokens), len(batch))
-            done = live.req.accept(step, live.req.score_logits(out), verify_s=share)
+            try:
+                fire(live.handle.faults, "score")
+                scored = live.req.score_logits(out)
+                fire(live.handle.faults, "accept")
+                done = live.req.accept(step, scored, verify_s=share)
+            except Exception as exc:
+                self._end(live, "error", _cause(exc))
+                continue
             self._publish(live, done)
         if gated:
             tokens = sum(x.req.history.output_len for x in started) - committed
@@ -326,11 +350,16 @@ class BatchEngine:
             self._running.remove(live)
         keep = self.prefix is not None and live.started and reason != "error"
         seq = live.req.seq
-        result = live.req.close(release=not keep)
-        if keep:  # its KV may serve a later prompt that begins alike
-            self.prefix.offer(seq, self.target.tokens(seq))
+        try:
+            result = live.req.close(release=not keep)
+            if keep:  # its KV may serve a later prompt that begins alike (of the same tenant)
+                self.prefix.offer(seq, self.target.tokens(seq), live.handle.request.tenant)
+        except Exception as exc:  # what was streamed stays streamed; the request ends with the cause
+            log.exception("closing a request failed")
+            self._emit_final(live.handle, None, "error", error or _cause(exc))
+            return
         reason = reason or result.stats.finish_reason or "stop"
-        if reason in ("abort", "cancelled", "error"):
+        if reason in ("abort", "cancelled", "timeout", "error"):
             result.stats.finish_reason = reason
         new = list(result.token_ids[live.sent_tokens:])
         if new and live.handle.first_token_at is None:
@@ -360,6 +389,27 @@ class BatchEngine:
             self._emit_final(h, None, "abort")
         for live in list(self._running):
             self._end(live, "abort")
+
+    def _fail_all(self, message: str) -> None:
+        """The thread is dying: every request gets its final event, each on its own."""
+        with self._cond:
+            self._admitting = False
+            waiting = self._queue.drain()
+        running = {id(live.handle) for live in self._running}
+        for h in waiting + [h for h in self._popped if id(h) not in running]:
+            self._emit_final(h, None, "error", message)
+        for live in list(self._running):
+            try:
+                self._end(live, "error", message)
+            except BaseException:  # noqa: BLE001 -- even a broken close must not keep a client waiting
+                if live in self._running:
+                    self._running.remove(live)
+                self._emit_final(live.handle, None, "error", message)
+
+
+def _cause(exc: Exception) -> str:
+    """What a client is told a failed request died of: our errors' own words, else the class too."""
+    return str(exc) if isinstance(exc, HeteroSDError) else describe(exc)
 
 
 def _logprobs_of(live: _Live, n: int) -> list | None:

@@ -10,6 +10,10 @@ bitwise what the new request's own prefill would write; the last prompt token
 is always computed, so its logits are the request's own. Bounded: at most
 `max_entries` sequences, least recently used evicted first, and evicted on
 demand when a new request needs the pool's room.
+
+Partitioned by tenant: an entry is found only by a request of the tenant that
+left it (an API key's digest, and a request's cache_salt), so one client can
+never time or count its way into another's text through `cached_tokens`.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ class Hit:
 class PrefixCache:
     def __init__(self, target, max_entries: int = 8, min_tokens: int = 16):
         self.target, self.max_entries, self.min_tokens = target, max_entries, min_tokens
-        self._entries: OrderedDict[int, list[int]] = OrderedDict()  # seq -> the tokens its KV holds
+        # seq -> (its tenant, the tokens its KV holds)
+        self._entries: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
         self.hits = self.reused_tokens = 0
 
     def __len__(self) -> int:
@@ -36,22 +41,24 @@ class PrefixCache:
 
     def held_tokens(self) -> int:
         """KV positions the kept sequences fill."""
-        return sum(len(tokens) for tokens in list(self._entries.values()))
+        return sum(len(tokens) for _, tokens in list(self._entries.values()))
 
-    def offer(self, seq: int, tokens: list[int]) -> None:
+    def offer(self, seq: int, tokens: list[int], tenant: str = "") -> None:
         """Keep a finished request's sequence (the cache now owns it)."""
         if len(tokens) < self.min_tokens or self.max_entries < 1:
             self.target.release(seq)
             return
-        self._entries[seq] = tokens
+        self._entries[seq] = (tenant, tokens)
         while len(self._entries) > self.max_entries:
             self.evict()
 
-    def find(self, prompt: list[int]) -> Hit | None:
-        """The cached sequence sharing the longest prefix with `prompt`, and how much of it
-        to copy (never the prompt's last token: its logits are computed)."""
+    def find(self, prompt: list[int], tenant: str = "") -> Hit | None:
+        """The tenant's cached sequence sharing the longest prefix with `prompt`, and how
+        much of it to copy (never the prompt's last token: its logits are computed)."""
         best: Hit | None = None
-        for seq, tokens in self._entries.items():
+        for seq, (owner, tokens) in self._entries.items():
+            if owner != tenant:
+                continue
             n = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if n >= self.min_tokens and (best is None or n > best.length):
                 best = Hit(seq, n)

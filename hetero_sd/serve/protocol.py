@@ -25,7 +25,7 @@ MAX_STOP_CHARS = 256
 
 # Engine finish reasons -> OpenAI's. "abort" (ended by a server shutdown) is vLLM's own.
 FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "context": "length",
-          "abort": "abort", "cancelled": "abort"}
+          "abort": "abort", "cancelled": "abort", "timeout": "timeout"}
 
 
 class _Body(BaseModel):
@@ -54,6 +54,8 @@ class _Generate(_Body):
     repetition_penalty: float | None = None  # extra field (vLLM's)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: a prefix-cache partition
+    timeout: Annotated[float, Field(gt=0)] | None = None  # extra field: seconds, at most the server's --request-timeout
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -153,7 +155,7 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: str | list[ContentPart] | None = None
     tool_calls: list[dict] | None = None  # an assistant turn's calls (OpenAI's shape)
     tool_call_id: str | None = None  # a tool turn's answer to one

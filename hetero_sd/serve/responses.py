@@ -1,10 +1,15 @@
 """A request's response, whole or streamed as SSE, over its n choices: each
 choice is its own sequence in the batch (a Submission), its events read from
-its own asyncio queue; streamed chunks carry the choice's index."""
+its own asyncio queue; streamed chunks carry the choice's index.
+
+A stream whose client reads nothing for the stall timeout (its socket's buffers
+full, so a write waits) is cancelled: its sequences are freed and its
+connection closed, rather than generating into a buffer nobody empties."""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -14,6 +19,33 @@ from hetero_sd.serve import tools
 from hetero_sd.serve.batch import Event, Submission
 
 POLL_S = 0.5  # how often a waiting response checks that its client is still there
+log = logging.getLogger("hetero_sd.serve")
+
+
+class _ClientStalled(Exception):
+    pass
+
+
+class StallGuardedStream(StreamingResponse):
+    """A StreamingResponse whose every write must complete within `stall_s`."""
+
+    def __init__(self, content, stall_s: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.stall_s = stall_s
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_s)
+            except asyncio.TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await super().stream_response(timed)
+        except _ClientStalled:  # returning unfinished makes uvicorn close the connection
+            log.warning("a stream's client read nothing for %g s: cancelled", self.stall_s)
+        finally:  # the generator's own finally frees the choices' sequences
+            await self.body_iterator.aclose()
 
 
 class _Pending:
@@ -71,8 +103,9 @@ async def serve_choices(state, request: HTTPRequest, kind: p.Kind, body, ids: li
     head = p.envelope(kind, rid, state.model_name, p.now(), body.stream)
     decode = state.engine.tokenizer.decode
     if body.stream:
-        return StreamingResponse(_sse(pendings, request, kind, head, len(ids), body.include_usage, decode),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StallGuardedStream(_sse(pendings, request, kind, head, len(ids), body.include_usage, decode),
+                                  state.limits.stall_timeout_s, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})
     return await _whole(pendings, request, kind, head, len(ids), decode)
 
 

@@ -1,6 +1,6 @@
 """The app in-process (httpx over ASGI, no socket): what is awkward to provoke in a
 subprocess. Priorities reach the queue; a draining server says 503; an oversized
-body is refused before it is read."""
+body is refused before it is read; a key caps the priority its requests may ask."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +10,8 @@ import pytest
 import httpx
 
 from hetero_sd.engine import Engine
-from hetero_sd.serve import app as app_module
 from hetero_sd.serve.app import ServerState, create_app
+from hetero_sd.serve.limits import ServeLimits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,7 +28,7 @@ def call(state, *requests):
     """Send (method, path, json) requests concurrently; the responses in order."""
     async def go():
         transport = httpx.ASGITransport(app=create_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             return await asyncio.gather(*(client.request(m, path, json=body) for m, path, body in requests))
 
     return asyncio.run(go())
@@ -42,7 +42,7 @@ def test_higher_priority_runs_first(state):
 
     async def go():
         transport = httpx.ASGITransport(app=create_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             def post(priority, tokens):
                 return asyncio.create_task(client.post("/v1/completions", json={
                     "prompt": "story number 0", "max_tokens": tokens, "priority": priority}))
@@ -69,8 +69,8 @@ def test_draining_server_says_503(state):
     assert refused.json()["error"]["code"] == 503 and "shutting down" in refused.json()["error"]["message"]
 
 
-def test_oversized_body_is_refused_unread(state, monkeypatch):
-    monkeypatch.setattr(app_module, "MAX_BODY", 1000)
+def test_oversized_body_is_refused_unread(state):
+    state.limits = ServeLimits(max_body=1000)
     big, small = call(state, ("POST", "/v1/completions", {"prompt": "x" * 2000}),
                       ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}))
     assert big.status_code == 413 and big.json()["error"]["code"] == 413
@@ -78,7 +78,8 @@ def test_oversized_body_is_refused_unread(state, monkeypatch):
 
 
 def test_api_keys_carry_default_priorities(serve_config):
-    """Several keys, each with the priority its requests get when they name none."""
+    """Several keys, each with the priority its requests get when they name none, and
+    the most they may name: a body asking more is capped at its key's."""
     st = ServerState(Engine.from_config(serve_config), "tiny", api_key={"interactive": 5.0, "batch": -1.0})
     st.start()
     seen = []
@@ -86,19 +87,20 @@ def test_api_keys_carry_default_priorities(serve_config):
 
     async def go():
         transport = httpx.ASGITransport(app=create_app(st))
-        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             out = []
-            for key, body in (("interactive", {}), ("batch", {}), ("batch", {"priority": 3}), ("nope", {})):
+            for key, body in (("interactive", {}), ("batch", {}), ("batch", {"priority": 3}),
+                              ("interactive", {"priority": 2}), ("nope", {})):
                 r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
                                       json={"prompt": "x", "max_tokens": 2, **body})
                 out.append(r.status_code)
             return out
 
     try:
-        assert asyncio.run(go()) == [200, 200, 200, 401]
+        assert asyncio.run(go()) == [200, 200, 200, 200, 401]
     finally:
         st.close()
-    assert seen == [5.0, -1.0, 3.0]
+    assert seen == [5.0, -1.0, -1.0, 2.0]
 
 
 def test_api_key_flag_parsing(monkeypatch):
