@@ -5,7 +5,7 @@
                                      [--llamacpp-bin DIR] [--servers spec,alt,nospec,cpp,cppspec,peer]
                                      [--alt-config FILE] [--rounds N] [--prompts default,code]
                                      [--json FILE] [--quick]
-    python benchmarks/bench_serve.py --soak [--soak-requests 2000] ...   (soak.py)
+    python benchmarks/bench_serve.py --soak [--soak-requests 2000] [--soak-concurrency 32] ...   (soak.py)
 
 The load generator is the `openai` package's AsyncOpenAI client driven by
 asyncio at a fixed concurrency: C workers each send streaming chat requests
@@ -429,7 +429,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--logdir", help="servers' logs (default: a new temporary folder)")
     ap.add_argument("--soak", action="store_true", help="a soak of our server instead (benchmarks/soak.py)")
     ap.add_argument("--soak-requests", type=int, default=2000)
-    ap.add_argument("--soak-concurrency", type=int, default=16)
+    ap.add_argument("--soak-concurrency", type=int, default=32)
     ap.add_argument("--soak-max-tokens", type=int, default=24)
     ap.add_argument("--json", help="write every figure here")
     opts = ap.parse_args(argv)
@@ -470,17 +470,23 @@ def run_soak(opts, argv: list[str]) -> dict:
     name = "nospec" if opts.servers == ["nospec"] else "spec"
     port, logdir = free_port(), Path(opts.logdir or tempfile.mkdtemp(prefix="bench-soak-"))
     logdir.mkdir(parents=True, exist_ok=True)
+    sopts = soak.SoakOptions(requests=opts.soak_requests, concurrency=opts.soak_concurrency,
+                             max_tokens=opts.soak_max_tokens, prompts=load_prompt_texts(sets=opts.prompts),
+                             time_limit_s=opts.level_timeout, request_timeout_s=opts.request_timeout)
+    # its key, timeouts and fault plan (in logdir) go before --serve-args, which may override them
     argv_server = server_argv(name, port, opts)
+    extra = len(shlex.split(opts.serve_args))
+    argv_server[len(argv_server) - extra:len(argv_server) - extra] = soak.server_args(sopts, logdir)
     meta = {**_meta(opts, argv), "server": argv_server, "log": str(logdir / "soak.log")}
     with open(logdir / "soak.log", "wb") as out:
         proc = subprocess.Popen(argv_server, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=tempfile.gettempdir())
     try:
         base = f"http://{HOST}:{port}"
-        model = wait_ready(proc, base, logdir / "soak.log", opts.ready_timeout)
-        sopts = soak.SoakOptions(requests=opts.soak_requests, concurrency=opts.soak_concurrency,
-                                 max_tokens=opts.soak_max_tokens, model=model, prompts=load_prompt_texts(sets=opts.prompts),
-                                 time_limit_s=opts.level_timeout, request_timeout_s=opts.request_timeout)
+        try:  # /v1/models wants the soak's key
+            sopts.model = soak.wait_ready(proc, base, sopts.api_key, opts.ready_timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}:\n{(logdir / 'soak.log').read_text(errors='replace')[-3000:]}") from None
         last = [0.0]
 
         def progress(done: int, total: int) -> None:

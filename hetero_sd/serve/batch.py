@@ -270,7 +270,7 @@ class BatchEngine:
                 fire(live.handle.faults, "prefill")
                 done = live.req.start(live.cached)  # the prefill: alone, as a solo run makes it
             except Exception as exc:  # this request's failure alone (the others go on)
-                self._end(live, "error", _cause(exc))
+                self._fail(live, "prefill", exc)
                 continue
             live.started = True
             self._publish(live, done)
@@ -289,7 +289,7 @@ class BatchEngine:
                 # (the gate prices only what the batch prices; a lone step may fill a padded call's free row)
                 step = live.req.propose(draft=draft or not live.req.mode.priced, alone=len(started) == 1)
             except Exception as exc:
-                self._end(live, "error", _cause(exc))
+                self._fail(live, "propose", exc)
                 continue
             if step is None:  # the context is full
                 self._publish(live, True)
@@ -317,12 +317,18 @@ class BatchEngine:
                 fire(live.handle.faults, "accept")
                 done = live.req.accept(step, scored, verify_s=share)
             except Exception as exc:
-                self._end(live, "error", _cause(exc))
+                self._fail(live, "score/accept", exc)
                 continue
             self._publish(live, done)
         if gated:
             tokens = sum(x.req.history.output_len for x in started) - committed
             self.gate.observe(len(started), draft, tokens, time.perf_counter() - t_step)
+
+    def _fail(self, live: _Live, phase: str, exc: Exception) -> None:
+        """End one request that failed in `phase`; the log keeps the cause, the client gets it too."""
+        log.warning("a request failed in %s: %s", phase, describe(exc))
+        log.debug("the failure's traceback", exc_info=exc)  # (--log-level debug)
+        self._end(live, "error", _cause(exc))
 
     def _price(self) -> None:
         """Give every greedy request's draft-length policy the cost of a round in
