@@ -110,14 +110,17 @@ def add_parser(sub) -> None:
     chat.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens (per reply)")
     chat.add_argument("--target-only", action="store_true", help="no speculation: the drafter is not loaded")
     chat.add_argument("--progress", action="store_true", help="show load progress even when not a TTY")
+    from hetero_sd.flags import add_model_flags
+
+    add_model_flags(chat)
     chat.set_defaults(func=_chat)
 
 
 def _chat(args) -> int:
-    from hetero_sd.config import load_config
+    from hetero_sd import flags
     from hetero_sd.engine import Engine
 
-    cfg = load_config(args.config, {"generation.max_new_tokens": args.max_new_tokens})
+    cfg = flags.load(args, {"generation.max_new_tokens": args.max_new_tokens})
     engine = Engine.from_config(cfg, progress=sys.stderr.isatty() or args.progress, target_only=args.target_only)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         from hetero_sd.errors import HeteroSDError

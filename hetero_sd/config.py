@@ -49,6 +49,15 @@ WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads", "
 LOCAL_ONLY_KEYS = ("transport", "cpus")  # of those, meaningless for a Ray actor
 CPUs = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 SUFFIX_KINDS = ("suffix", "hybrid")  # the drafter kinds the suffix_* keys configure
+# drafter keys that configure some kinds only: set under another kind, they are an error
+# naming the kinds they belong to (a key is never silently dropped)
+_DRAFT_RUNNER = ("model", "head", "hybrid")  # the kinds that load a model of their own
+KIND_KEYS = {"min_ngram": ("ngram",), "max_ngram": ("ngram",), "model": ("model", "hybrid"),
+             "head": ("head", "hybrid"), "hybrid_min_match": ("hybrid",), "hybrid_with": ("hybrid",),
+             "backend": _DRAFT_RUNNER, "device": _DRAFT_RUNNER, "precision": _DRAFT_RUNNER,
+             "min_prob": ("model", "hybrid"),
+             **{key: SUFFIX_KINDS for key in ("suffix_max_depth", "suffix_factor", "suffix_min_prob",
+                                              "suffix_cache_requests", "suffix_corpus")}}
 
 
 class StageConfig(_Section):
@@ -204,6 +213,9 @@ class Config(_Section):
     auto: AutoConfig = Field(default_factory=AutoConfig)
     # the backends' switches for every model: kernels, padding, plugins (hetero_sd/options.py)
     options: OptionsSection = Field(default_factory=OptionsSection)
+    # a Hugging Face id (ORG/NAME[@REV][:FILE]) missing from the hub cache is downloaded
+    # (false: an error naming the cache folder and the command that fetches it)
+    download: bool = False
     source: str = Field("<defaults>", exclude=True)  # the file it came from, for messages
 
 
@@ -214,10 +226,11 @@ def default_model_path() -> Path:
     return catalog.resolve(catalog.find(DEFAULT_MODEL))
 
 
-def resolve_model(model: str, relative_to: Path | None) -> Path:
-    """A config's `model:`: a catalog name (hetero_sd/catalog.py; `hetero-sd models`) or a
-    path, relative ones against `relative_to` (the YAML's folder) when found there."""
-    from hetero_sd import catalog
+def resolve_model(model: str, relative_to: Path | None, download: bool = False) -> Path:
+    """A config's `model:`: a catalog name (hetero_sd/catalog.py; `hetero-sd models`), a
+    path, relative ones against `relative_to` (the YAML's folder) when found there, or a
+    Hugging Face id found in the hub cache (hetero_sd/hub.py; downloaded if `download`)."""
+    from hetero_sd import catalog, hub
 
     entry = catalog.find(model)
     if entry is not None:  # names win: they are few, fixed and documented
@@ -225,9 +238,25 @@ def resolve_model(model: str, relative_to: Path | None) -> Path:
     path = Path(model).expanduser()
     if not path.is_absolute() and relative_to is not None and (relative_to / path).exists():
         path = relative_to / path
+    if not path.exists() and hub.looks_like_hub_id(model, relative_to):  # ORG/NAME[@REV][:FILE]
+        return hub.resolve(model, download=download)
     if not path.exists() and catalog.looks_like_name(model):
         raise catalog.unknown_name_error(model)
     return path
+
+
+def check_kind_keys(d: DrafterConfig, path) -> None:
+    """ConfigError for a drafter key that configures another kind than drafter.kind
+    (`drafter: {model: x}` without `kind: model` was silently an n-gram drafter)."""
+    if d.kind == "auto":  # the splitter chooses the kind: any kind's keys may guide it
+        return
+    for key in sorted(d.model_fields_set & KIND_KEYS.keys()):
+        kinds = KIND_KEYS[key]
+        if d.kind not in kinds:
+            given = f"kind is {d.kind!r}" if "kind" in d.model_fields_set else \
+                f"no kind is given, and the default is {d.kind!r}"
+            raise ConfigError(f"{path}: drafter.{key} configures drafter.kind: {' or '.join(kinds)}, but "
+                              f"{given}; add kind: {kinds[0]}")
 
 
 def _format(exc: ValidationError, source: str) -> str:
@@ -278,10 +307,12 @@ def _merge(data: dict, overrides: dict, path: Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict | None = None, environ=None) -> Config:
+def load_config(path: str | Path | None = None, overrides: dict | None = None, environ=None,
+                drop_other_kinds: bool = False) -> Config:
     """The config at `path` (None: the packaged default), `overrides` applied; the old
     HETERO_SD_* switches in `environ` (default: os.environ, read here and only here) are
-    defaults of its `options:` section."""
+    defaults of its `options:` section. drop_other_kinds: an override of drafter.kind
+    drops the file's drafter keys that configure other kinds (a command-line flag)."""
     path = Path(path) if path is not None else PACKAGED / "cpu.yaml"
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -296,6 +327,9 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None, e
     if "source" in data:
         raise ConfigError(f"{path}: source: unknown key; allowed: "
                           f"{', '.join(k for k in Config.model_fields if k != 'source')}")
+    if drop_other_kinds and isinstance(data.get("drafter"), dict):
+        kind = (overrides or {}).get("drafter.kind")
+        data["drafter"] = {k: v for k, v in data["drafter"].items() if kind in KIND_KEYS.get(k, (kind,))}
     data = with_env_defaults(_merge(data, overrides or {}, path), os.environ if environ is None else environ, path)
     try:
         cfg = Config(**data, source=str(path))
@@ -311,17 +345,10 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None, e
     if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
         raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
                           f"drafter.max_ngram ({cfg.drafter.max_ngram})")
-    suffix_keys = sorted(k for k in cfg.drafter.model_fields_set if k.startswith("suffix_"))
-    if suffix_keys and cfg.drafter.kind not in SUFFIX_KINDS:
-        raise ConfigError(f"{path}: drafter.{suffix_keys[0]} sets the suffix drafter; it needs drafter.kind: "
-                          f"{' or '.join(SUFFIX_KINDS)} (kind is {cfg.drafter.kind!r})")
+    check_kind_keys(cfg.drafter, path)
     if cfg.placement == "auto" and cfg.drafter.kind in ("head", "hybrid"):
         raise ConfigError(f"{path}: drafter.kind: {cfg.drafter.kind} needs placement: manual (the splitter "
                           "does not plan heads yet); place the target yourself")
-    for key, kinds in (("head", ("head", "hybrid")), ("hybrid_min_match", ("hybrid",))):
-        if key in cfg.drafter.model_fields_set and cfg.drafter.kind not in kinds:
-            raise ConfigError(f"{path}: drafter.{key} needs drafter.kind: {' or '.join(kinds)} "
-                              f"(kind is {cfg.drafter.kind!r})")
     d = cfg.drafter
     if d.vocab is not None and not (d.kind == "model" or (d.kind == "hybrid" and d.hybrid_with == "model")):
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "

@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--alpha-model", type=float, help="assumed draft-model acceptance for --explain")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--progress", action="store_true", help="show progress even when stderr is not a TTY")
+    from hetero_sd.flags import add_model_flags
+
+    add_model_flags(p)
     p.set_defaults(func=run)
 
 
@@ -44,21 +47,21 @@ def _models(cfg) -> tuple[Path, Path | None]:
     from hetero_sd.config import resolve_model
 
     base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
-    target = resolve_model(cfg.target.model, base).resolve()
+    target = resolve_model(cfg.target.model, base, cfg.download).resolve()
     draft = None
     if cfg.drafter.kind == "model" or (cfg.drafter.kind == "hybrid" and cfg.drafter.hybrid_with == "model"):
-        draft = resolve_model(cfg.drafter.model or cfg.target.model, base).resolve()
+        draft = resolve_model(cfg.drafter.model or cfg.target.model, base, cfg.download).resolve()
     return target, draft
 
 
 def run(args) -> int:
-    from hetero_sd.config import load_config
+    from hetero_sd import flags
     from hetero_sd.errors import ConfigError
     from hetero_sd.options import config_options
     from hetero_sd.profiler import ProfileSettings, build_problem, profile_models
     from hetero_sd.scheduler import plan
 
-    cfg = load_config(args.config)
+    cfg = flags.load(args)
     if uses_ray(cfg):
         return _profile_cluster(cfg, args)
     target, draft = _models(cfg)

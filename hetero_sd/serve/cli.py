@@ -73,7 +73,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-cache", type=_count, default=8, metavar="N",
                    help="keep up to N finished requests' KV for prompts that begin alike (exact: onnxruntime "
                         "targets only; 0 = off; default 8). Entries are kept per API key and cache_salt")
-    p.add_argument("--kv-budget", help="override memory.kv_budget (the target's KV pool), e.g. 1GiB")
     p.add_argument("--drain-s", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are aborted (default 30)")
     p.add_argument("--no-speculation", action="store_true",
@@ -83,6 +82,9 @@ def add_parser(subparsers) -> None:
                    help="uvicorn's log level (default warning; info adds an access log)")
     p.add_argument("--progress", action="store_true", help="show load progress even when stderr is not a TTY")
     _safety_flags(p)
+    from hetero_sd.flags import add_model_flags
+
+    add_model_flags(p)
     p.set_defaults(func=run)
 
 
@@ -178,7 +180,7 @@ def _absent(module: str) -> bool:
 
 def run(args) -> int:
     _need_server_extra()  # before any model loads
-    from hetero_sd.config import load_config
+    from hetero_sd import flags
     from hetero_sd.engine import Engine
     from hetero_sd.serve.app import ServerState
     from hetero_sd.serve.faults import FaultPlan
@@ -189,7 +191,7 @@ def run(args) -> int:
     limits = _limits(args)
     _scrub_secrets(keys)
     cleanup_stale()  # segments a killed process group left in /dev/shm
-    cfg = load_config(args.config, {"memory.kv_budget": args.kv_budget})
+    cfg = flags.load(args)
     engine = Engine.from_config(cfg, progress=sys.stderr.isatty() or args.progress,
                                 target_only=args.no_speculation)
     died = []
