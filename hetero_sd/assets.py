@@ -24,7 +24,7 @@ def config_dir(cfg: Config) -> Path | None:
 
 def model_path(cfg: Config, model: str | None) -> str:
     """A section's model, resolved; None means the target's."""
-    return str(resolve_model(model or cfg.target.model, config_dir(cfg)))
+    return str(resolve_model(model or cfg.target.model, config_dir(cfg), cfg.download))
 
 
 def _beside_config(cfg: Config, choice: str) -> Path:

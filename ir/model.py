@@ -125,9 +125,14 @@ def load_model_ir(path: str | Path) -> ModelIR:
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
         return _load_hf(path)
-    if path.suffix == ".gguf":
+    if path.suffix == ".gguf" or _gguf_magic(path):  # (a hub cache's blob has no .gguf ending)
         return _load_gguf(path)
     raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+
+
+def _gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _load_hf(folder: Path) -> ModelIR:
