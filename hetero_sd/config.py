@@ -202,6 +202,20 @@ class AutoConfig(_Section):
     quick: bool = False  # a shorter first profile (less accurate)
 
 
+class SchedulerConfig(_Section):
+    """How requests share the target (the server's batch engine; the seeds' scheduler section).
+    Per device, by the device string the target runs on ("cpu", "cuda:0"): max_batch bounds
+    the sequences one batched target call holds (the runner's own bound otherwise), max_verify
+    the rows one sequence verifies a call (k + 1: it caps drafter.k and k_max). The defaults
+    are what runs without the section."""
+
+    max_batch: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    max_verify: dict[str, Annotated[int, Field(ge=2, le=MAX_DRAFT_TOKENS + 1)]] = Field(default_factory=dict)
+    timeout_ms: Annotated[int, Field(ge=1)] | None = None  # a served request's deadline (serve --request-timeout)
+    max_running: Annotated[int, Field(ge=1)] = 16  # requests stepped together (serve --max-running)
+    max_waiting: Annotated[int, Field(ge=1)] = 64  # the queue's bound; past it 429 (serve --max-waiting)
+
+
 class Config(_Section):
     # manual: run where target/drafter say. auto: profile this host (cached) and let the
     # splitter choose every placement field, drafter kind and k the YAML leaves out.
@@ -216,6 +230,7 @@ class Config(_Section):
     # a Hugging Face id (ORG/NAME[@REV][:FILE]) missing from the hub cache is downloaded
     # (false: an error naming the cache folder and the command that fetches it)
     download: bool = False
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     source: str = Field("<defaults>", exclude=True)  # the file it came from, for messages
 
 
@@ -243,6 +258,16 @@ def resolve_model(model: str, relative_to: Path | None, download: bool = False) 
     if not path.exists() and catalog.looks_like_name(model):
         raise catalog.unknown_name_error(model)
     return path
+
+
+def _cap_verify(cfg: Config) -> Config:
+    """scheduler.max_verify for the target's device caps the drafts a round (k + 1 rows)."""
+    width = cfg.scheduler.max_verify.get(cfg.target.device)
+    if width is None:
+        return cfg
+    d = cfg.drafter
+    capped = {"k_max": min(d.k_max, width - 1)} | ({"k": min(d.k, width - 1)} if isinstance(d.k, int) else {})
+    return cfg.model_copy(update={"drafter": d.model_copy(update=capped)})
 
 
 def check_kind_keys(d: DrafterConfig, path) -> None:
@@ -353,6 +378,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None, e
     if d.vocab is not None and not (d.kind == "model" or (d.kind == "hybrid" and d.hybrid_with == "model")):
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
                           f"drafter.kind: model, or hybrid with hybrid_with: model (kind is {d.kind!r})")
+    cfg = _cap_verify(cfg)
     _check_workers(cfg, path)
     check_ray(cfg, path)
     cfg.generation.constraint_spec(str(path))  # a bad grammar fails now, naming the file and key

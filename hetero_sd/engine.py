@@ -93,7 +93,12 @@ class Engine:
         if isinstance(config, Config) and overrides:
             raise ConfigError("overrides apply to a YAML path; pass load_config(path, overrides) instead")
         cfg = config if isinstance(config, Config) else load_config(config, overrides)
-        return cls(**engine_arguments(cfg, progress=progress, target_only=target_only))
+        engine = cls(**engine_arguments(cfg, progress=progress, target_only=target_only))
+        runner = engine.target_runner.current
+        cap = cfg.scheduler.max_batch.get(runner.device.device)
+        if cap is not None:  # scheduler.max_batch: this device's batched calls hold at most cap sequences
+            runner.max_batch = min(runner.max_batch, cap) if runner.max_batch > 1 else 1
+        return engine
 
     def close(self) -> None:
         """Stop worker processes the drafter holds, and a target in a Ray actor (also

@@ -67,9 +67,10 @@ def add_parser(subparsers) -> None:
                         "several keys, each optionally with the priority its requests get when they name "
                         "none (e.g. --api-key batch-jobs=-1 --api-key interactive=5). "
                         "Default: $HETERO_SD_API_KEY; none = open")
-    p.add_argument("--max-running", type=_positive, default=16, help="requests stepped together (default 16)")
-    p.add_argument("--max-waiting", type=_positive, default=64,
-                   help="waiting-queue bound; past it requests get 429 (default 64)")
+    p.add_argument("--max-running", type=_positive,
+                   help="requests stepped together (default: scheduler.max_running, 16)")
+    p.add_argument("--max-waiting", type=_positive,
+                   help="waiting-queue bound; past it requests get 429 (default: scheduler.max_waiting, 64)")
     p.add_argument("--prefix-cache", type=_count, default=8, metavar="N",
                    help="keep up to N finished requests' KV for prompts that begin alike (exact: onnxruntime "
                         "targets only; 0 = off; default 8). Entries are kept per API key and cache_salt")
@@ -112,9 +113,10 @@ def _safety_flags(p) -> None:
     p.add_argument("--stall-timeout", type=_timeout, default=d.stall_timeout_s, metavar="S",
                    help=f"cancel a stream whose client read nothing for S s, freeing its KV (default "
                         f"{d.stall_timeout_s:g})")
-    p.add_argument("--request-timeout", type=_timeout, default=d.request_timeout_s, metavar="S",
+    p.add_argument("--request-timeout", type=_timeout, metavar="S",
                    help=f"a request's deadline: past it, it ends with finish_reason \"timeout\", keeping what it "
-                        f"produced; a body's `timeout` may lower it (default {d.request_timeout_s:g})")
+                        f"produced; a body's `timeout` may lower it (default: scheduler.timeout_ms, else "
+                        f"{d.request_timeout_s:g})")
     p.add_argument("--fault-plan", metavar="FILE", help=argparse.SUPPRESS)  # tests only (serve/faults.py)
 
 
@@ -188,17 +190,18 @@ def run(args) -> int:
 
     keys = api_keys(args.api_key)
     check_bind(args.host, keys, args.allow_open)
-    limits = _limits(args)
+    cfg = flags.load(args)
+    limits, sched = _limits(args, cfg.scheduler), cfg.scheduler
     _scrub_secrets(keys)
     cleanup_stale()  # segments a killed process group left in /dev/shm
-    cfg = flags.load(args)
     engine = Engine.from_config(cfg, progress=sys.stderr.isatty() or args.progress,
                                 target_only=args.no_speculation)
     died = []
     try:
         faults = None if args.fault_plan is None else FaultPlan.load(args.fault_plan, engine.tokenizer.decode)
-        state = ServerState(engine, args.model_name or model_name(cfg), max_running=args.max_running,
-                            max_waiting=args.max_waiting, api_key=keys, drain_s=args.drain_s,
+        state = ServerState(engine, args.model_name or model_name(cfg),
+                            max_running=args.max_running or sched.max_running,
+                            max_waiting=args.max_waiting or sched.max_waiting, api_key=keys, drain_s=args.drain_s,
                             prefix_cache=args.prefix_cache, speculate=not args.no_speculation, limits=limits,
                             bind=args.host, faults=faults, on_death=died.append)
     except BaseException:
@@ -214,14 +217,16 @@ def run(args) -> int:
     return 0
 
 
-def _limits(args):
+def _limits(args, sched):
+    """The flags' limits; a deadline from the flag, else the config's scheduler.timeout_ms."""
     from hetero_sd.serve.limits import ServeLimits
 
+    timeout = args.request_timeout or (sched.timeout_ms / 1000 if sched.timeout_ms else ServeLimits.request_timeout_s)
     hosts = tuple(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
     return ServeLimits(max_body=args.max_body, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive,
                        max_connections=args.max_connections, stall_timeout_s=args.stall_timeout,
-                       request_timeout_s=args.request_timeout, allowed_hosts=hosts)
+                       request_timeout_s=timeout, allowed_hosts=hosts)
 
 
 def _serve(state, args, died: list) -> None:
