@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,10 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
+# soak.py imports its siblings (soak_kinds, soak_hostile: the dataclasses) from its own folder
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 _spec = importlib.util.spec_from_file_location("soak", _PATH)
 soak = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("soak", soak)  # dataclasses look their module up there
 _spec.loader.exec_module(soak)
 
 PROMPTS = ["Tell me about the sea.", "List three colours.", "What is 2 + 2?", "Write a haiku about rain.",
