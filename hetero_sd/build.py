@@ -21,6 +21,7 @@ from hetero_sd.drafting.base import Drafter
 from hetero_sd.drafting.build import build_for_target
 from hetero_sd.drafting.specs import WorkerSpec, model_specs
 from hetero_sd.errors import ConfigError
+from hetero_sd.ir.eog import eog_ids
 from hetero_sd.loading import Loader
 from hetero_sd.options import config_options
 from hetero_sd.scheduler import AdaptiveDraftLength, FixedDraftLength
@@ -60,10 +61,9 @@ def build(spec: EngineSpec, load: Loader) -> Built:
                 part.close()
         release_places(spec)
         raise
-    eos = set(target_ir.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return Built(target, drafter, tokenizer, tuple(sorted(eos)))
+    # The end-of-generation set (ir/eog.py): the model's eos/eot/eom ids, generation_config.json's,
+    # the tokenizer's eos, llama.cpp's end-of-turn texts and the chat template's end of turn.
+    return Built(target, drafter, tokenizer, eog_ids(target_ir, tokenizer))
 
 
 def load_target(spec: EngineSpec, load: Loader):
@@ -98,7 +98,7 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
     return dict(target=built.target, drafter=built.drafter, tokenizer=built.tokenizer, eos_ids=built.eos_ids,
                 max_new_tokens=gen.max_new_tokens, stop=tuple(gen.stop), chat_template=gen.chat_template,
                 sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=replanner, plan=plan,
-                constraint=gen.constraint_spec(cfg.source))
+                constraint=gen.constraint_spec(cfg.source), ignore_eos=gen.ignore_eos)
 
 
 def split_cores(drafter) -> set[int] | None:

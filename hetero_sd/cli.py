@@ -20,6 +20,8 @@ def _generate(args) -> int:
                  "generation.top_k": args.top_k, "generation.top_p": args.top_p, "generation.seed": args.seed}
     if args.no_chat_template:
         overrides["generation.chat_template"] = False
+    if args.ignore_eos:
+        overrides["generation.ignore_eos"] = True
     constraint = _constraint(args)  # a bad grammar fails before any model loads
     cfg = flags.load(args, overrides)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -174,13 +176,33 @@ def _row_checks(console) -> None:
         console.print(f"  {label}: {choice.chosen}, {choice.describe()}", highlight=False)
 
 
+def _model_details(args) -> int:
+    """`models --details MODEL`: the end-of-generation set generation stops at."""
+    from hetero_sd.config import resolve_model
+    from hetero_sd.ir.eog import describe_eog
+    from hetero_sd.loading import Loader
+
+    path = str(resolve_model(args.details, None))
+    load = Loader()
+    rows = describe_eog(load.ir(path), load.tokenizer(path))
+    if args.json:
+        print(json.dumps({"model": path, "end_of_generation": [
+            {"id": i, "text": text, "sources": sources} for i, text, sources in rows]}))
+        return 0
+    print(f"{path}\nend of generation ({len(rows)} ids; generation stops at any of them):")
+    for i, text, sources in rows:
+        print(f"  {i:>7}  {text!r:<24} {sources}")
+    return 0
+
+
 def _models(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from hetero_sd import catalog
+    from hetero_sd import catalog, hub
 
-    from hetero_sd import hub
+    if args.details:
+        return _model_details(args)
 
     rows = [catalog.status(entry) for entry in catalog.entries()]  # cheap: sizes and markers, no hashing
     hub_rows = hub.cached_models()  # the Hugging Face cache's models: a scan, no hashing, no network
@@ -223,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target-only", action="store_true",
                      help="no speculation (baseline): the drafter section is ignored and not loaded")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate max_new_tokens past the end-of-generation set (generation.ignore_eos)")
     from hetero_sd.flags import add_model_flags
 
     add_model_flags(gen)
@@ -252,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Named models: where they come from (pip packages), whether they are "
                                      "installed here and verified, and how to install them.")
     mod.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    mod.add_argument("--details", metavar="MODEL",
+                     help="one model's end-of-generation set: each id, its text and where it comes from")
     mod.set_defaults(func=_models)
     from hetero_sd import chat, profile_cli
     from hetero_sd.bench import add_parser as add_bench_parser

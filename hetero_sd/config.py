@@ -144,6 +144,7 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(128, ge=1)
     stop: list[str] = Field(default_factory=list)
     chat_template: bool = True
+    ignore_eos: bool = False  # generate to max_new_tokens past the end-of-generation set (benchmarks)
     # Sampling (temperature 0 = greedy). Same rules as hetero_sd.sampling.SamplingParams.
     temperature: float = Field(0.0, ge=0)
     top_k: int = Field(0, ge=0)

@@ -46,7 +46,7 @@ class Engine:
                  eos_ids: tuple[int, ...] = (), max_new_tokens: int = 128, stop: tuple[str, ...] = (),
                  chat_template: bool = False, sampling: SamplingParams = SamplingParams(),
                  fallback: Fallback | None = None, policy: DraftLengthPolicy | None = None, replanner: Replanner | None = None, plan=None,
-                 constraint: Constraint | dict | None = None):
+                 constraint: Constraint | dict | None = None, ignore_eos: bool = False):
         fallback = fallback or NoFallback()
         self.target_runner = FailoverRunner(target, fallback)
         self._drafter = FailoverDrafter(drafter, fallback, replanner)
@@ -56,7 +56,8 @@ class Engine:
         # (hetero_sd.scheduler) fed with each round's record.
         self.policy: DraftLengthPolicy = policy or FixedDraftLength(k)
         self.plan = plan  # the splitter's plan when placement was automatic
-        self.eos_ids = set(eos_ids)
+        self.eos_ids = set(eos_ids)  # the end-of-generation set (ir/eog.py)
+        self.ignore_eos = ignore_eos  # run to max_new_tokens past it (benchmarks); grammars still end
         self.max_new_tokens, self.stop, self.chat_template = max_new_tokens, list(stop), chat_template
         self._compiler = None  # built on the first constrained request (llguidance's view of the tokenizer)
         # The default constraint (YAML generation.constraint), compiled now so a bad one fails at build.
@@ -233,7 +234,8 @@ class Engine:
         stats = GenerationStats(mode=drafter.name if drafter is not None else "target-only",
                                 prompt_tokens=len(prompt_ids), sampling=params.describe())
         history = TokenHistory(prompt_ids)
-        stopper = StopChecker(history, budget, self.eos_ids, self.stop if stop is None else stop, self.tokenizer)
+        stopper = StopChecker(history, budget, set() if self.ignore_eos else self.eos_ids,
+                              self.stop if stop is None else stop, self.tokenizer)
         guide = None if constraint is None else self._guide(constraint)  # a bad grammar fails here, before any token
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs asks for {logprobs} top tokens; allowed: 0..{MAX_TOP_LOGPROBS}")

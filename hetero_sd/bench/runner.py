@@ -95,10 +95,11 @@ def _check_placements(configs: list[Config]) -> None:
 def _workload(model_path: Path, prompts, opts: BenchOptions) -> Workload:
     from hetero_sd.engine import encode_text
     from hetero_sd.ir import load_model_ir
+    from hetero_sd.ir.eog import eog_ids
 
     ir = load_model_ir(model_path)
     tok = ir.load_tokenizer()
-    eos = set(ir.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    eos = set(eog_ids(ir, tok))  # the engine's end-of-generation set (ir/eog.py), as llama.cpp's
     ids = {p.id: encode_text(tok, p.prompt, chat_template=True) for p in prompts}  # the ids every run gets
     return Workload(prompts, ids, encode_text(tok, WARMUP_PROMPT, chat_template=True),
                     opts.max_new_tokens, opts.eos_policy, tuple(sorted(eos)))

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hetero_sd.ir.eog import eog_ids
 from hetero_sd.ir.eagle import EagleHead, HeadConfig
 from hetero_sd.training import corpus as C
 from hetero_sd.training import data as D
@@ -288,7 +289,7 @@ def train_head(cfg, out: Path, opts: TrainOptions, resume: bool = False, int8: b
     load = Loader(progress=True)
     target_ir = load.ir(target_spec.model)
     head_cfg = HeadConfig.for_target(target_ir.config, opts.draft_vocab, opts.aux_layers)
-    layers, eos = head_cfg.feature_layers, tuple(target_ir.config.eos_token_ids)
+    layers, eos = head_cfg.feature_layers, eog_ids(target_ir, load.tokenizer(target_spec.model))
     ref = Reference.load(target_spec.model, fast_dtype(opts.dtype))
     _log(f"target {Path(target_spec.model).name} in transformers ({str(ref.dtype).split('.')[-1]}); "
          f"head reads layers {layers}, draft vocabulary {head_cfg.draft_vocab}")

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from hetero_sd.ir import eog
 from hetero_sd.ir.config import ModelConfig, MoEConfig
 from hetero_sd.ir.errors import ModelLoadError
 from hetero_sd.ir.families import decoder
@@ -78,8 +79,8 @@ def config_from_hf(hf: dict, family: str = "llama", supported_rope=SUPPORTED_ROP
     """The Llama-shaped part of any family's config.json; `extra` sets the
     fields a family adds (ir/config.py)."""
     heads = need(hf, "num_attention_heads")
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    # config.json's ids; generation_config.json's and the tokenizer's join them in ir/eog.py (eog_ids)
+    eos_ids = eog.id_list(hf.get("eos_token_id"))
     theta, scaling = _rope_from_hf(hf, supported_rope)
     window, layer_windows = _windows(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -155,7 +156,8 @@ def config_from_gguf(fields: dict, arch: str, tensor_names: set[str], vector=lam
             raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported; supported: linear")
         scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor"))}
     vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
-    eos = fields.get("tokenizer.ggml.eos_token_id")
+    # eos, eot, eom and the FIM pad/repo/separator ids: llama.cpp's end-of-generation metadata (ir/eog.py)
+    eos_ids = tuple(dict.fromkeys(eog.gguf_end_ids(fields, int(vocab)).values()))
     cfg = ModelConfig(
         family=family,
         vocab_size=int(vocab),
@@ -172,7 +174,7 @@ def config_from_gguf(fields: dict, arch: str, tensor_names: set[str], vector=lam
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2",
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        eos_token_ids=eos_ids,
         rope_freq_factors=rope_freqs,
     )
     return dataclasses.replace(cfg, **extra) if extra else cfg
