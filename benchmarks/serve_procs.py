@@ -32,16 +32,18 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout_s: float) -> str:
-    """Poll /health then /v1/models until the server answers; the served model's id."""
+def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout_s: float, api_key: str | None = None) -> str:
+    """Poll /v1/models (with the key, if the server wants one) until the server answers;
+    the served model's id."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was ready:\n{_tail(log)}")
         try:
-            models = httpx.get(f"{base}/v1/models", timeout=5)
+            models = httpx.get(f"{base}/v1/models", headers=headers, timeout=5)
             if models.status_code == 200:
                 return models.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError):

@@ -295,22 +295,3 @@ def render(rep: dict) -> str:
     lines += [f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in rep["checks"].items()]
     lines += [f"  mismatch: {m}" for m in rep["mismatched"][:5]] + [f"  failure: {f}" for f in rep["failures"][:10]]
     return "\n".join(lines)
-
-
-def wait_ready(proc, base: str, api_key: str | None, timeout_s: float) -> str:
-    """Poll /v1/models (with the key) until the server answers; the served model's id."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            models = httpx.get(f"{base}/v1/models", headers=headers, timeout=5)
-            if models.status_code == 200:
-                return models.json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError):
-            pass  # not listening yet, or still loading
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")

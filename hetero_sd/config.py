@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetero_sd.cluster.sections import RaySection, TargetRaySection, check_ray
-from hetero_sd.errors import ConfigError
+from hetero_sd.errors import ConfigError, ModelLoadError
 from hetero_sd.options import OptionsSection, with_env_defaults
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS
 
@@ -255,7 +255,13 @@ def resolve_model(model: str, relative_to: Path | None, download: bool = False) 
     if not path.is_absolute() and relative_to is not None and (relative_to / path).exists():
         path = relative_to / path
     if not path.exists() and hub.looks_like_hub_id(model, relative_to):  # ORG/NAME[@REV][:FILE]
-        return hub.resolve(model, download=download)
+        try:
+            return hub.resolve(model, download=download)
+        except ModelLoadError:
+            raise
+        except ConfigError as exc:  # ORG/NAME may have meant a path: the error says both, as a missing path's
+            raise ModelLoadError(f"model {model!r} does not exist as a path, and as a Hugging Face id: {exc}") \
+                from None
     if not path.exists() and catalog.looks_like_name(model):
         raise catalog.unknown_name_error(model)
     return path

@@ -215,8 +215,12 @@ def test_paths_still_win_over_nothing(tmp_path, monkeypatch):
     assert resolve_model("my-model", tmp_path) == tmp_path / "my-model"
     monkeypatch.chdir(tmp_path)
     assert resolve_model("my-model", None) == Path("my-model")
-    for path in ("models/none", "./none", "none.gguf", str(tmp_path / "none")):
+    for path in ("./none", "none.gguf", str(tmp_path / "none")):
         assert resolve_model(path, None) == Path(path)
+    # ORG/NAME could be a Hugging Face id: missing both ways, one error says so (hetero_sd/hub.py)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError, match="'models/none' does not exist as a path, and as a Hugging Face id: .* is not in the Hugging Face cache"):
+        resolve_model("models/none", None)
 
 
 def test_default_is_an_alias_of_smollm2(monkeypatch, tmp_path):
