@@ -221,12 +221,7 @@ async def _h_silent(t: _Target, i: int, name: str, prompt: str):
         status, body = await _reply(reader)
     finally:
         await _close(writer)
-    took = time.perf_counter() - t0
-    if status is not None and not 400 <= status < 500:
-        return False, status, f"got {status}: {body[:200]!r}", ""
-    if name != "not HTTP" and took < t.opts.header_timeout_s / 2:
-        return False, status, f"closed after {took:.2f} s, before half the header timeout", ""
-    return True, status, "", "closed" if status is None else f"{status}"
+    return _head_refused(t, status, body, time.perf_counter() - t0, timed=name != "not HTTP")
 
 
 async def _h_second_head(t: _Target, i: int, name: str, prompt: str):
@@ -244,10 +239,14 @@ async def _h_second_head(t: _Target, i: int, name: str, prompt: str):
         status, body = await _reply(reader)
     finally:
         await _close(writer)
-    took = time.perf_counter() - t0
+    return _head_refused(t, status, body, time.perf_counter() - t0)
+
+
+def _head_refused(t: _Target, status: int | None, body: bytes, took: float, timed: bool = True):
+    """A head that never completes: closed (or a 4xx), and not before half the header timeout."""
     if status is not None and not 400 <= status < 500:
         return False, status, f"got {status}: {body[:200]!r}", ""
-    if took < t.opts.header_timeout_s / 2:
+    if timed and took < t.opts.header_timeout_s / 2:
         return False, status, f"closed after {took:.2f} s, before half the header timeout", ""
     return True, status, "", "closed" if status is None else f"{status}"
 

@@ -220,10 +220,14 @@ def _choose(snapshot: Path, hub_id: HubId) -> Path:
     if len(ggufs) == 1:
         return snapshot / ggufs[0]
     if len(ggufs) > 1:
-        raise ConfigError(f"model {str(hub_id)!r}: the repo holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); "
-                          f"pick one as {hub_id.repo}:FILE (a file name, or a quant tag such as Q4_K_M)")
+        raise _several(hub_id, ggufs)
     raise _NotUsable(f"the snapshot {snapshot} holds neither a safetensors model (config.json and *.safetensors) "
                      f"nor a .gguf file")
+
+
+def _several(hub_id: HubId, ggufs: list[str]) -> ConfigError:
+    return ConfigError(f"model {str(hub_id)!r}: the repo holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); "
+                       f"pick one as {hub_id.repo}:FILE (a file name, or a quant tag such as Q4_K_M)")
 
 
 # ------------------------------------------------------------------ download (opt-in)
@@ -246,9 +250,7 @@ def wanted_files(repo_files: list[str], hub_id: HubId) -> list[str]:
     if len(ggufs) == 1:
         return ggufs
     if ggufs:
-        raise ConfigError(f"model {str(hub_id)!r}: the repo holds {len(ggufs)} .gguf files "
-                          f"({', '.join(ggufs)}); pick one as {hub_id.repo}:FILE (a file name, or a quant tag "
-                          f"such as Q4_K_M)")
+        raise _several(hub_id, ggufs)
     raise ConfigError(f"model {str(hub_id)!r}: the repo holds neither a safetensors model (config.json and "
                       f"*.safetensors at the top) nor a .gguf file")
 

@@ -9,7 +9,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -38,9 +37,8 @@ def test_faults_over_http_and_a_silent_connection(start_server, serve_config, tm
 
     silent = socket.create_connection((url.split("//")[1].split(":")[0], int(url.rsplit(":", 1)[1])))
     silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # ... and never the rest
-    silent.settimeout(10)
-    t0 = time.perf_counter()
-    assert silent.recv(100) == b"" and time.perf_counter() - t0 < 6  # closed by the server, unanswered
+    silent.settimeout(30)  # (--header-timeout 1: closed long before; a recv that times out raises)
+    assert silent.recv(100) == b""  # closed by the server, unanswered
     silent.close()
 
     with httpx.Client(base_url=url, timeout=60) as c:
