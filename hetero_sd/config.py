@@ -197,8 +197,8 @@ class AutoConfig(_Section):
 
     backends: list[str] = Field(default_factory=list)  # backends to consider; empty = all available
     precisions: list[str] = Field(default_factory=list)  # empty = all
-    acceptance: dict[Literal["ngram", "model"], Annotated[float, Field(ge=0, le=1)]] = Field(
-        default_factory=dict)  # prior acceptance guesses; the adaptive k corrects them online
+    acceptance: dict[Literal["ngram", "suffix", "model", "head", "hybrid"], Annotated[float, Field(ge=0, le=1)]] = \
+        Field(default_factory=dict)  # prior acceptance guesses; the adaptive k corrects them online
     prompt_tokens: int = Field(128, ge=1)  # the typical prompt the plan is optimised for
     quick: bool = False  # a shorter first profile (less accurate)
 
@@ -215,6 +215,10 @@ class SchedulerConfig(_Section):
     timeout_ms: Annotated[int, Field(ge=1)] | None = None  # a served request's deadline (serve --request-timeout)
     max_running: Annotated[int, Field(ge=1)] = 16  # requests stepped together (serve --max-running)
     max_waiting: Annotated[int, Field(ge=1)] = 64  # the queue's bound; past it 429 (serve --max-waiting)
+    # Draft round r+1 while the target verifies round r (scheduler/overlap.py). auto: where the
+    # target's runner is asynchronous and the drafter computes on another device; on: always
+    # (lossless, but faster only where the two devices run at once); off: never.
+    overlap: Literal["auto", "on", "off"] = "auto"
 
 
 class Config(_Section):
