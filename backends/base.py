@@ -39,6 +39,12 @@ classes and register under the `hetero_sd.backends` entry-point group.
                pads_single_row                     a one-token call runs as two rows (the row
                                                    check, row_check.py), so a call of the token
                                                    and one draft costs the same; False by default
+               asynchronous + submit(...) -> Pending  submit returns before the device is done
+                                                   and Pending.wait() returns what forward /
+                                                   greedy would, so the caller's CPU is free in
+                                                   between (a CUDA stream, a fake device with a
+                                                   declared latency); the default submit runs
+                                                   the call at once (asynchronous False)
              A capability a runner lacks is declared, never faked (a precision whose
              multi-token calls round differently says batch_invariant=False, and results then
              say "lossless: up to numerics").
@@ -55,6 +61,7 @@ are unchanged by it, bitwise. A model without feature layers costs nothing.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -107,6 +114,47 @@ class BatchItem:
     num_logits: int
 
 
+class Pending:
+    """A submitted call (Runner.submit): wait() returns its result, or raises its error.
+    done_at: when the device finished (time.perf_counter), where the runner knows it."""
+
+    def __init__(self, wait=None, result=None, error: BaseException | None = None,
+                 source: "Pending | None" = None):
+        """source: the Pending whose device call this one waits on (done_at reads through)."""
+        self._wait, self._result, self._error = wait, result, error
+        self._done_at: float | None = None
+        self._source = source
+
+    @classmethod
+    def run(cls, call) -> "Pending":
+        """A call made now (a synchronous runner's submit): its result or error, kept."""
+        try:
+            done = cls(result=call())
+        except Exception as exc:  # (raised at wait, where an asynchronous runner's would be)
+            done = cls(error=exc)
+        done.finished()
+        return done
+
+    def finished(self) -> None:
+        """The device is done (a runner calls it where it learns so)."""
+        self._done_at = time.perf_counter()
+
+    @property
+    def done_at(self) -> float | None:
+        return self._source.done_at if self._source is not None else self._done_at
+
+    def then(self, fn) -> "Pending":
+        """A Pending of fn(this one's result), done when this one is."""
+        return Pending(lambda: fn(self.wait()), source=self)
+
+    def wait(self):
+        if self._wait is not None:
+            self._result, self._wait = self._wait(), None
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 class Runner(ABC):
     """A model loaded on one device, with its own KV pool (module docstring)."""
 
@@ -124,6 +172,8 @@ class Runner(ABC):
     # A one-token call runs as two rows (the row check found one row rounds apart on this
     # host, row_check.py): a call of the token and one draft costs the same.
     pads_single_row: bool = False
+    # submit() returns before the device finishes (module docstring)
+    asynchronous: bool = False
 
     @abstractmethod
     def allocate(self, capacity: int) -> int:
@@ -165,6 +215,13 @@ class Runner(ABC):
         from hetero_sd.ir.errors import BackendError
 
         raise BackendError(f"{self.device.backend}:{self.device.device} cannot copy KV between sequences")
+
+    def submit(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int,
+               greedy: bool = True) -> Pending:
+        """Optional (asynchronous): greedy / forward as a call whose result Pending.wait()
+        returns. Until then the sequence is the device's: no other call on it."""
+        method = self.greedy if greedy else self.forward
+        return Pending.run(lambda: method(seq_id, tokens, start, num_logits))
 
     def draft_only(self) -> None:
         """Optional: this runner drafts (module docstring); before any sequence."""

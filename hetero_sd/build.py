@@ -98,7 +98,8 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
     return dict(target=built.target, drafter=built.drafter, tokenizer=built.tokenizer, eos_ids=built.eos_ids,
                 max_new_tokens=gen.max_new_tokens, stop=tuple(gen.stop), chat_template=gen.chat_template,
                 sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=replanner, plan=plan,
-                constraint=gen.constraint_spec(cfg.source), ignore_eos=gen.ignore_eos)
+                constraint=gen.constraint_spec(cfg.source), ignore_eos=gen.ignore_eos,
+                overlap=cfg.scheduler.overlap)
 
 
 def split_cores(drafter) -> set[int] | None:

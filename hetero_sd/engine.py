@@ -27,6 +27,7 @@ from hetero_sd.sampling import Sampler, SamplingParams
 from hetero_sd.scoring import Scorer
 from hetero_sd.scheduler import FixedDraftLength
 from hetero_sd.scheduler.mode import RequestMode
+from hetero_sd.scheduler.overlap import OverlapDecision, OverlapMode, decide
 from hetero_sd.scheduler.round import DraftLengthPolicy
 from hetero_sd.stats import GenerationStats
 from hetero_sd.stopping import StopChecker, TextStream
@@ -46,7 +47,7 @@ class Engine:
                  eos_ids: tuple[int, ...] = (), max_new_tokens: int = 128, stop: tuple[str, ...] = (),
                  chat_template: bool = False, sampling: SamplingParams = SamplingParams(),
                  fallback: Fallback | None = None, policy: DraftLengthPolicy | None = None, replanner: Replanner | None = None, plan=None,
-                 constraint: Constraint | dict | None = None, ignore_eos: bool = False):
+                 constraint: Constraint | dict | None = None, ignore_eos: bool = False, overlap: OverlapMode = "auto"):
         fallback = fallback or NoFallback()
         self.target_runner = FailoverRunner(target, fallback)
         self._drafter = FailoverDrafter(drafter, fallback, replanner)
@@ -58,6 +59,7 @@ class Engine:
         self.plan = plan  # the splitter's plan when placement was automatic
         self.eos_ids = set(eos_ids)  # the end-of-generation set (ir/eog.py)
         self.ignore_eos = ignore_eos  # run to max_new_tokens past it (benchmarks); grammars still end
+        self.overlap_mode: OverlapMode = overlap  # drafting during verifies (scheduler.overlap)
         self.max_new_tokens, self.stop, self.chat_template = max_new_tokens, list(stop), chat_template
         self._compiler = None  # built on the first constrained request (llguidance's view of the tokenizer)
         # The default constraint (YAML generation.constraint), compiled now so a bad one fails at build.
@@ -241,9 +243,17 @@ class Engine:
             raise GenerationError(f"logprobs asks for {logprobs} top tokens; allowed: 0..{MAX_TOP_LOGPROBS}")
         scorer = Scorer(None if params.greedy else Sampler(params, mode), params if params.penalized else None, logprobs)
         req = Request(self.target_runner, drafter, policy, stopper, stats, scorer, mode)
+        if drafter is not None and not concurrent:  # (a batching server's rounds share batched calls)
+            req.overlap = self.overlap()
         if guide is not None:
             req.constrain(guide, self.eos_ids, self.target_runner.vocab_size)
         return req
+
+    def overlap(self) -> OverlapDecision:
+        """Whether a request drafts its next round during each verify, and why (scheduler/overlap.py)."""
+        d, t = self._drafter, self.target_runner
+        return decide(self.overlap_mode, t.device.device, t.asynchronous,
+                      d.draft_device if self.drafter is not None else None, d.predrafts)
 
     def _drafting(self, speculate: bool, mode: RequestMode):
         """(the request's drafter or None, its draft-length policy), as its mode says

@@ -19,6 +19,10 @@ history) are the glossary's in ir/work.py. The request owns the one token
 history: the stop checker reads it, the target's failover wrapper replays
 it, and drafters are given it (or sent its deltas in another process).
 
+Where the target's device works asynchronously and the drafter's is another
+(scheduler/overlap.py decides; Engine.request sets `overlap`), `run` submits
+each verify and pre-drafts the next round while it runs (hetero_sd/ahead.py).
+
 One round, greedy: the drafter proposes k tokens; the target scores the last
 committed token plus the drafts in one call (k + 1 rows); the longest prefix
 of drafts equal to the target's own choices is accepted, and the target's
@@ -36,7 +40,8 @@ from typing import Callable
 
 import numpy as np
 
-from hetero_sd.backends.base import BatchItem
+from hetero_sd.ahead import PreDraft, predraft
+from hetero_sd.backends.base import BatchItem, Pending
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import FailoverDrafter, FailoverRunner
 from hetero_sd.ir.work import DraftRequest, VerifyRequest
@@ -80,6 +85,8 @@ class Request:
         # the step proposed and not yet accepted, its round (None: a target-only round) and
         # when the verify began
         self._pending: tuple[VerifyRequest, Round | None, float] | None = None
+        self.overlap = None  # scheduler.overlap.OverlapDecision (Engine.request); None: serial
+        self._ahead: PreDraft | None = None  # the next round's drafts, pre-drafted during the verify
 
     @property
     def history(self):
@@ -129,8 +136,51 @@ class Request:
             if after_commit is not None:
                 after_commit()
             step = self.propose()
-            if step is None or self.accept(step, self.score(step)):
+            if step is None:
                 return
+            scored = self._verify_overlapped(step) if self.overlapping else self.score(step)
+            if self.accept(step, scored):
+                return
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether its verifies hide the next round's drafting (a constrained request's
+        grammar state is round r's while round r+1 would be drafted: it stays serial)."""
+        return self.overlap is not None and self.overlap.on and self.speculating and self.constrainer is None
+
+    def _verify_overlapped(self, step: VerifyRequest):
+        """What score(step) returns, the target's device computing it while the drafter
+        pre-drafts the next round here (hetero_sd/ahead.py)."""
+        pending = self.submit(step)
+        rnd, t0 = self.round, time.perf_counter()
+        k = self._ahead_k(step, rnd)
+        if k > 0:
+            self._ahead = predraft(self.drafter, self.feed, self.seq, self.history.ids, step.drafts, k, rnd.prices)
+        drafted_at = time.perf_counter()
+        scored = pending.wait()
+        if k > 0:  # hidden: the drafting done before the device finished (all of it when we waited;
+            # none where the runner cannot say when it finished and we did not wait)
+            seconds, now = drafted_at - t0, time.perf_counter()
+            done = pending.done_at if pending.done_at is not None else now if now - drafted_at > WAITED_S else t0
+            self.stats.predraft_s += seconds
+            self.stats.hidden_draft_s += min(seconds, max(0.0, done - t0))
+        return scored
+
+    def _ahead_k(self, step: VerifyRequest, rnd: Round | None) -> int:
+        """Drafts to pre-draft for the round after `step`: the k this round asked for,
+        within the tokens still wanted and the room left once it commits all."""
+        if rnd is None or rnd.asked == 0 or not self.drafter.active:
+            return 0
+        after = self.history.output_len + len(step.drafts) + 1
+        room = self.capacity - (self.pos + len(step.tokens)) - 1
+        return max(0, min(rnd.asked, self.stopper.max_new_tokens - after - 1, room))
+
+    def submit(self, step: VerifyRequest) -> Pending:
+        """score(step) as a submitted call (Runner.submit): Pending.wait() returns its scores."""
+        n = len(step.tokens)
+        if self.scorer.plain:
+            return self.target.submit(self.seq, step.tokens, step.start, n, greedy=True)
+        return self.target.submit(self.seq, step.tokens, step.start, n, greedy=False).then(self.score_logits)
 
     # ------------------------------------------------------------ the phases
     def start(self, cached: int = 0) -> bool:
@@ -190,6 +240,7 @@ class Request:
         # the first draft's row is free in a padded call: proposed even where the drafter is unsure
         rnd.free_rows = 1 if alone and self._padded_greedy() else 0
         rnd.prices = self.policy.draft_prices() if self.mode.priced and k > 0 else None
+        rnd.overlapped = self.overlapping
         return rnd, k
 
     def _free_row(self) -> bool:
@@ -268,7 +319,14 @@ class Request:
             self.feed.keep(self.target.take_features(self.seq), rows)
 
     def _draft(self, rnd: Round, k: int):
-        """(drafts, their distributions or None); the drafter fills its part of the round."""
+        """(drafts, their distributions or None); the drafter fills its part of the round,
+        or the pre-draft made during the last verify does, where it still holds."""
+        ahead, self._ahead = self._ahead, None
+        hit = ahead.take(self.history.ids, k) if ahead is not None else None
+        if hit is not None:
+            ahead.fill(rnd)
+            self.stats.predraft_hits += 1
+            return list(hit[0]), hit[1]
         req = self.feed.request(self.seq, self.history.ids, k)
         t0 = time.perf_counter()
         proposal = self.drafter.draft(req, rnd)
@@ -347,6 +405,9 @@ class DraftFeed:
             self.features.clear()
         self.told = len(ids)
         return req
+
+
+WAITED_S = 1e-4  # a wait this long blocked on the device: it was still busy when the pre-draft ended
 
 
 __all__ = ["GenerationResult", "Request", "TokenLogprob"]

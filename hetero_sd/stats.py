@@ -28,6 +28,11 @@ class GenerationStats:
     mask_wait_s: float = 0.0  # what of it sat on the critical path (inside verify_s and prefill_s)
     grammar_cut: int = 0  # drafts dropped because the grammar refused them
     grammar_drafted: int = 0  # drafts the grammar forced (added after a drafter's proposal)
+    # drafting during verifies (scheduler/overlap.py): pre-drafts' seconds, the part of them the
+    # device was still verifying through, and rounds whose drafts a pre-draft gave (draft_s: the rest)
+    predraft_s: float = 0.0
+    hidden_draft_s: float = 0.0
+    predraft_hits: int = 0
     # per draft position i (0-based): rounds that drafted it, and rounds that accepted it
     drafted_pos: list[int] = field(default_factory=list)
     accepted_pos: list[int] = field(default_factory=list)
@@ -38,6 +43,12 @@ class GenerationStats:
     @property
     def other_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def hidden_share(self) -> float:
+        """Of all drafting seconds (serial and pre-drafts), the share a verify hid."""
+        total = self.draft_s + self.predraft_s
+        return self.hidden_draft_s / total if total > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,7 +75,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("other_s", "acceptance_rate", "mean_accepted", "tokens_per_round",
+        for name in ("other_s", "hidden_share", "acceptance_rate", "mean_accepted", "tokens_per_round",
                      "tokens_per_s", "decode_tokens_per_s"):
             out[name] = getattr(self, name)
         return out
@@ -77,6 +88,9 @@ class GenerationStats:
                      f"{self.mean_accepted:.2f}/round over {self.rounds} rounds")
         line += (f" | prefill {self.prefill_s:.2f}s draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s "
                  f"other {self.other_s:.2f}s | finish: {self.finish_reason}")
+        if self.predraft_s:
+            line += (f" | overlap: {self.hidden_share:.0%} of drafting hidden, {self.predraft_hits} rounds "
+                     "pre-drafted")
         if self.events:
             line += f" | {len(self.events)} failover events (see stats.events)"
         if self.sampling != "greedy":

@@ -36,10 +36,16 @@ class LearntCosts:
     _verify: "OnlineCurve"
     _draft: "OnlineCurve"
     _rate: "AchievedRate"
+    # Of the rounds of requests that draft during verifies (Round.overlapped), the share whose
+    # drafts a verify hid (a pre-draft hit): their drafting costs no critical time, so the
+    # draft curve prices the rest only (scheduler/overlap.py round_seconds)
+    _hidden: float = 0.0
 
     def _learn(self, rnd: Round, draft_steps: int) -> bool:
         """Learn from the round's timings (draft_steps: the draft steps its draft time
         covers); True when its verify was timed."""
+        if rnd.overlapped:
+            self._hidden += OVERLAP_SMOOTHING * ((1.0 if rnd.predrafted else 0.0) - self._hidden)
         draft_s, verify_s = rnd.priced_draft_s, rnd.timed_verify_s
         if draft_s is not None and draft_steps > 0:
             observe_draft(self._draft, draft_steps, draft_s, rnd.catch_up_s)
@@ -49,6 +55,16 @@ class LearntCosts:
         self._rate.observe(rnd.accepted + 1, round_seconds(verify_s, draft_s, rnd.catch_up_s, self._draft.step_s()),
                            self._verify(1))
         return True
+
+    def _draft_snapshot(self, n_max: int) -> CostCurve:
+        """The draft curve as a round pays it: a verify hides the share _hidden of drafts."""
+        curve = self._draft.snapshot(n_max)
+        if self._hidden <= 0:
+            return curve
+        return CostCurve(tuple((n, s * (1.0 - self._hidden)) for n, s in curve.points))
+
+
+OVERLAP_SMOOTHING = 0.2
 
 
 @dataclass
@@ -90,7 +106,7 @@ class FixedDraftLength(LearntCosts):
 
     def draft_prices(self) -> DraftPrices:
         if self._prices is None:
-            self._prices = RoundCost(self._verify.snapshot(self.k + 1), self._draft.snapshot(self.k)).prices(self.k)
+            self._prices = RoundCost(self._verify.snapshot(self.k + 1), self._draft_snapshot(self.k)).prices(self.k)
         return priced(self._prices, self._rate)
 
 
@@ -320,7 +336,7 @@ class AdaptiveDraftLength(LearntCosts):
         return self._acceptance.by_position(self.k_max, self.alpha, self.position_weight)
 
     def round_cost(self) -> RoundCost:
-        return RoundCost(self._verify.snapshot(self.k_max + 1), self._draft.snapshot(self.k_max))
+        return RoundCost(self._verify.snapshot(self.k_max + 1), self._draft_snapshot(self.k_max))
 
     def set_cost(self, cost: RoundCost) -> None:
         """Replace the cost curves (what was learnt about them is dropped; acceptance

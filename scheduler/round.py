@@ -16,6 +16,9 @@ back into the drafter or the request from it.
     accepted     Request.accept                    policy.observe, Drafter.observe
     verify_s     Request.accept                    policy.observe (verify cost, achieved rate)
     learnt       Request.accept                    policy.observe (timings taught or not)
+    overlapped   Request.propose                   policy.observe (the request drafts during verifies)
+    predrafted   Request.propose (a pre-draft hit)  policy.observe (drafts that cost no critical time)
+    hidden_s     Request.propose                   stats (drafting seconds a verify hid)
 
 Plain numbers, so a record crosses to a worker's reply header as numbers
 (drafting/wire.py carries catch_up_s).
@@ -40,12 +43,16 @@ class Round:
     accepted: int = 0  # of them, accepted
     verify_s: float | None = None  # the verify's seconds (a batched call's share)
     learnt: bool = True  # the policy learns costs from its timings (not in a failover, nor a pinned request)
+    overlapped: bool = False  # the request pre-drafts each next round during the verify (scheduler/overlap.py)
+    predrafted: bool = False  # its drafts were pre-drafted during the last verify (draft_s is then 0)
+    hidden_s: float = 0.0  # the pre-draft's seconds, hidden by the last verify
 
     @property
     def priced_draft_s(self) -> float | None:
         """The draft seconds that price draft steps: none for a lookup's round (microseconds,
-        not what a model's draft step costs) or an untaught one."""
-        return None if self.lookup or not self.learnt else self.draft_s
+        not what a model's draft step costs), a pre-drafted one (a serial draft's cost is
+        what a miss pays) or an untaught one."""
+        return None if self.lookup or self.predrafted or not self.learnt else self.draft_s
 
     @property
     def timed_verify_s(self) -> float | None:

@@ -30,6 +30,15 @@ history, read, never copied); a drafter in another process is sent the delta
                                                 runner for a head; None when model-free or in
                                                 another process. A re-plan after the failure of
                                                 a Runner excludes its device
+              draft_device                      where it computes: its runner's device, "cpu" (the
+                                                host) for a lookup or a worker on the host; the
+                                                overlap (scheduler/overlap.py) compares it with
+                                                the target's
+              predrafts                         it can draft round r+1 before round r's verify
+                                                returns (False for a head: it reads that verify's
+                                                hidden states); it must then take a request whose
+                                                context is rolled back (base_len) past tokens it
+                                                was told before
               observe(drafted, accepted)        after each speculative round: how its draft fared
               wait_ready()                      block until usable (a worker loading its model)
               close()                           free processes and memory for good
@@ -73,6 +82,17 @@ class Drafter(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Forget the current sequence (called at the end of a request)."""
+
+    @property
+    def draft_device(self) -> str:
+        """Where it computes (module docstring)."""
+        device = getattr(self.runner, "device", None)
+        return device.device if device is not None and hasattr(device, "device") else "cpu"
+
+    @property
+    def predrafts(self) -> bool:
+        """Whether it can draft before the verify returns (module docstring)."""
+        return not self.feature_layers
 
     def fork(self) -> "Drafter":
         """Optional (can_fork): a drafter for another concurrent sequence."""

@@ -36,6 +36,14 @@ class FailoverDrafter(Drafter):
     def model_free(self) -> bool:
         return self.serving is not None and self.serving.model_free
 
+    @property
+    def draft_device(self) -> str | None:
+        return self.default.draft_device if self.default is not None else None
+
+    @property
+    def predrafts(self) -> bool:
+        return self.default is not None and self.default.predrafts
+
     def take_events(self) -> list[str]:
         events, self.events = self.events, []
         return events

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetero_sd.backends.base import BatchItem, Runner, run_batch
+from hetero_sd.backends.base import BatchItem, Pending, Runner, run_batch
 from hetero_sd.errors import BackendError, GenerationError, describe
 from hetero_sd.failover.fallback import Fallback, _close, is_device_failure, where
 from hetero_sd.ir.work import TokenHistory
@@ -81,6 +81,7 @@ class FailoverRunner(Runner):
     can_copy_prefix = property(lambda self: self.current.can_copy_prefix)
     location = property(lambda self: self.current.location)
     pads_single_row = property(lambda self: self.current.pads_single_row)
+    asynchronous = property(lambda self: self.current.asynchronous)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -124,6 +125,28 @@ class FailoverRunner(Runner):
 
     def forward(self, seq_id: int, tokens, start: int, num_logits: int):
         return self._run("forward", seq_id, tokens, start, num_logits)
+
+    def submit(self, seq_id: int, tokens, start: int, num_logits: int, greedy: bool = True) -> Pending:
+        """The live runner's submit; a device failure, at submit or at wait, moves every
+        sequence to the replacement, which runs the call again (synchronously)."""
+        s, method = self._seqs[seq_id], "greedy" if greedy else "forward"
+        self._carried.pop(seq_id, None)
+        try:
+            inner = self.current.submit(s.inner, tokens, start, num_logits, greedy)
+        except Exception as exc:
+            inner = Pending(error=exc)
+
+        def wait():
+            try:
+                out = inner.wait()
+            except Exception as exc:
+                if not is_device_failure(exc):
+                    raise
+                self._move(exc)
+                out = self._guarded(lambda: getattr(self.current, method)(s.inner, tokens, start, num_logits))
+            s.wrote(start, tokens)
+            return out
+        return Pending(wait, source=inner)
 
     def greedy(self, seq_id: int, tokens, start: int, num_logits: int) -> list[int]:
         return self._run("greedy", seq_id, tokens, start, num_logits)

@@ -16,7 +16,10 @@ model's and lossless tests run through it. On top it
   that do not depend on this machine's load) and that `simulate_time` turns
   into sleeps;
 - injects failures: on load, or after N runner calls an error, a hang, or
-  malformed / garbage output.
+  malformed / garbage output;
+- with `asynchronous: true`, runs calls on the device's own thread (submit returns
+  at once, the declared cost passes there): a GPU's stream, for the overlap of
+  drafting and verifying (scheduler/overlap.py) on a host without one.
 
 Configure it in code, `FakeBackend(devices=[FakeDeviceSpec(device="fake:0")])`,
 or with the backend options' `fake` (a config's `options.fake_backend`; for
@@ -39,6 +42,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -46,7 +50,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, PoolUsage, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, Pending, PoolUsage, PrecisionInfo, Runner, resolve
 from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.ir.errors import BackendError, ConfigError
 from hetero_sd.ir.model import ModelIR
@@ -129,6 +133,9 @@ class FakeDeviceSpec(_Spec):
     costs: FakeCosts = FakeCosts()
     model_costs: dict[str, FakeCosts] = {}  # by model file/folder name (or stem), over `costs`
     failure: FakeFailure | None = None
+    # Calls run on the device's own thread: submit returns at once and the declared cost
+    # (with simulate_time) passes there, as a GPU's stream would (Runner.asynchronous)
+    asynchronous: bool = False
     inner_backend: str = "torch"  # a built-in backend that produces the tokens
     inner_device: str = "cpu"
 
@@ -284,7 +291,7 @@ class FakeBackend:
         inner = load_runner(inner_backend, model, spec.inner_device, pspec.runs_as, kv_budget_bytes, progress,
                             options or self.options)
         return FakeRunner(inner, info, prec, spec.costs_for(prec.name, model), failure,
-                          self.spec.simulate_time, lambda: self._fired(spec))
+                          self.spec.simulate_time, lambda: self._fired(spec), spec.asynchronous)
 
     def _fired(self, spec: FakeDeviceSpec) -> None:
         if spec.failure is not None and spec.failure.device_lost:
@@ -307,7 +314,7 @@ class FakeRunner(Runner):
     forward/greedy are counted, timed and made to fail."""
 
     def __init__(self, inner: Runner, info: DeviceInfo, precision: PrecisionInfo, costs: FakeCosts,
-                 failure: FakeFailure | None, simulate_time: bool, on_fire=None):
+                 failure: FakeFailure | None, simulate_time: bool, on_fire=None, asynchronous: bool = False):
         self.inner = inner
         self.device, self.precision = info, precision
         self.vocab_size, self.max_context = inner.vocab_size, inner.max_context
@@ -317,6 +324,9 @@ class FakeRunner(Runner):
         self._costs, self._failure, self._on_fire = costs, failure, on_fire
         self._lock = threading.Lock()
         self.feature_layers = inner.feature_layers  # hidden states (backends/base.py): the wrapped runner's
+        self.asynchronous = asynchronous
+        # the device's queue: one thread runs submitted calls in order
+        self._queue = ThreadPoolExecutor(1, f"fake-{info.device}") if asynchronous else None
 
     def take_features(self, seq_id: int):
         return self.inner.take_features(seq_id)
@@ -351,6 +361,16 @@ class FakeRunner(Runner):
 
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         return self._call("greedy", seq_id, tokens, start, num_logits)
+
+    def submit(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int,
+               greedy: bool = True) -> Pending:
+        if self._queue is None:
+            return super().submit(seq_id, tokens, start, num_logits, greedy)
+        method = "greedy" if greedy else "forward"
+        future = self._queue.submit(self._call, method, seq_id, list(tokens), start, num_logits)
+        pending = Pending(future.result)
+        future.add_done_callback(lambda _: pending.finished())
+        return pending
 
     def _due(self) -> bool:
         """Count this call; is it one of the failing ones?"""
