@@ -25,8 +25,14 @@ and warm-up), or answers with a malformed or error reply makes the call
 raise WorkerError (or the transport's error); before raising, the worker is
 killed if alive and the channel closed, which unlinks its shared-memory
 segment. The engine then drops the drafter for that request (the output
-does not change). The next begin() starts a fresh worker (its model loads
-again); after `max_failed_starts` failed starts in a row, begin keeps failing.
+does not change). Rows in CUDA IPC buffers whose worker died raise
+planes.IpcOwnerGone (a TransportError), which is such a failure too. The
+next begin() starts a fresh worker (its model loads again); after
+`max_failed_starts` failed starts in a row, begin keeps failing.
+
+Data plane (`data_plane`, transport/planes.py): auto puts the rows of a
+drafter on a CUDA device in CUDA IPC buffers (shm transport, torch sees CUDA),
+everything else in the shm arena.
 
 Asynchronous mode (`mode="async"`): the worker drafts ahead between requests
 (worker.py); greedy requests only, a sampled request runs synchronously.
@@ -45,14 +51,14 @@ from typing import Callable
 import numpy as np
 
 from hetero_sd.drafting.base import Drafter
-from hetero_sd.drafting.specs import MODES, TRANSPORTS, DrafterSpec, has_distributions
+from hetero_sd.drafting.specs import MODES, TRANSPORTS, DrafterSpec, device_list, has_distributions
 from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, ERROR, HELLO, PARTIAL, READY, RESET, Control,
                                      decode_reply, parse_draft, sampling_words)
 from hetero_sd.drafting.worker import WorkerOptions
 from hetero_sd.ir.cache import configured_root
 from hetero_sd.ir.errors import BackendError, ConfigError, from_text
 from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult
-from hetero_sd.transport import CorruptRecord, TransportTimeout, listen
+from hetero_sd.transport import CorruptRecord, TransportTimeout, listen, planes
 
 START_METHODS = ("forkserver", "spawn")
 
@@ -96,8 +102,10 @@ class _Worker:
     def __init__(self, entry: Callable, spec: DrafterSpec, options: WorkerOptions, transport: str,
                  start_method: str):
         arena = has_distributions(spec) and transport == "shm"
-        region = -(-MAX_DRAFT_TOKENS * options.target_vocab * 8 // 4096) * 4096
-        self.channel = listen(transport, **({"arena_regions": 2, "arena_region_bytes": region} if arena else {}))
+        kind = options.data_plane  # host: rows in the arena; a device plane: its control words only
+        self.channel = listen(transport, **(planes.channel_options(kind, options.target_vocab, MAX_DRAFT_TOKENS)
+                                            if arena else {}))
+        self.plane = planes.reader_for(self.channel, kind) if arena else None
         try:
             if transport == "inproc":
                 self.proc = threading.Thread(target=entry, args=(spec, self.channel.address, options),
@@ -124,11 +132,13 @@ class _Worker:
         if self._finalizer.alive:
             self._finalizer.detach()
             _stop(self.proc, self.channel, kill)
+            if self.plane is not None:
+                self.plane.close()
 
     def release(self) -> None:
         if self.held is not None:
             region, self.held = self.held, None
-            self.channel.rx_arena.release(region)
+            self.plane.release(region)
 
 
 class RemoteDrafter(Drafter):
@@ -139,7 +149,7 @@ class RemoteDrafter(Drafter):
                  lookahead: int | None = None, threads: int | None = None,
                  cpu: int | tuple[int, ...] | None = None,
                  start_method: str = "forkserver", max_failed_starts: int = 3, start: bool = True,
-                 ray=None):
+                 ray=None, data_plane: str = "auto"):
         for value, allowed, what in ((transport, TRANSPORTS, "transport"), (mode, MODES, "mode"),
                                      (start_method, START_METHODS, "start_method")):
             if value not in allowed:
@@ -151,7 +161,8 @@ class RemoteDrafter(Drafter):
         self.start_method = start_method
         self.vocab, self.timeout_s, self.start_timeout_s = target_vocab, timeout_s, start_timeout_s
         self.max_failed_starts = max_failed_starts
-        self.options = WorkerOptions(target_vocab, mode, lookahead, threads, cpu, configured_root())
+        self.options = WorkerOptions(target_vocab, mode, lookahead, threads, cpu, configured_root(),
+                                     *planes.resolve(data_plane, device_list(spec), transport))
         self.name = f"{spec.label}@{transport}" + ("-async" if mode == "async" else "")
         self.one_hot = not spec.has_distributions  # (Drafter.one_hot: as its drafter's are)
         self.stats = WorkerStats()
@@ -299,7 +310,7 @@ class RemoteDrafter(Drafter):
                 frame = self._sliced(w, deadline, w.channel.recv, slice_s=None)
             else:
                 frame = self._sliced(w, deadline, w.channel.recv)
-            reply = decode_reply(w.channel, frame, self.vocab)
+            reply = decode_reply(w.channel, frame, self.vocab, w.plane)
             w.held = reply.region
             if reply.status == ERROR:
                 raise from_text(reply.body.decode(errors="replace"), f"drafter worker {self.name}", WorkerError)

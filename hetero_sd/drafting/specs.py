@@ -26,6 +26,9 @@ from hetero_sd.ir.errors import ConfigError
 DEFAULT_KV_BUDGET = 256 * 2**20
 TRANSPORTS = ("shm", "tcp", "pipe", "inproc", "ray")  # inproc: the worker loop in a thread (tests); ray: an actor
 MODES = ("sync", "async")  # async: the worker drafts ahead while the target verifies (greedy)
+# where a worker's draft distributions travel (transport/planes.py): auto is cuda_ipc for a
+# drafter on a CUDA device (shm transport, torch sees CUDA), host (the shm arena) otherwise
+DATA_PLANES = ("auto", "host", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class WorkerSpec:
     threads: int | None = None  # the worker's compute threads; None: the runtime's default
     cpus: tuple[int, ...] | None = None  # the worker's CPUs; the engine's process keeps the others
     ray: RayPlacement | None = None  # transport "ray": where the actor goes (hetero_sd/cluster)
+    data_plane: str = "auto"  # DATA_PLANES
 
     children: ClassVar[tuple[str, ...]] = ("inner",)
 
@@ -219,3 +223,8 @@ def translated(spec: DrafterSpec | None, target: str, foreign) -> DrafterSpec | 
 def has_distributions(spec: DrafterSpec) -> bool:
     """Whether the drafter returns draft distributions under sampling (each node declares it)."""
     return spec.has_distributions
+
+
+def device_list(spec: DrafterSpec | None) -> tuple[str, ...]:
+    """The devices the tree's models and heads run on, innermost first."""
+    return tuple(node.device for node in walk(spec) if isinstance(node, (ModelSpec, HeadSpec)))

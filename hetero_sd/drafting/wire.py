@@ -10,8 +10,11 @@ Every request gets exactly one reply, in order, so the engine always knows
 which reply it is reading; anything else is a malformed reply.
 
 Worker -> engine: one frame (transport.pack_frame) per reply:
-  refs   the draft distributions' TensorRef when they travel through the shm arena
-  record Reply header | body | inline distributions (transports without an arena)
+  refs   the draft distributions' TensorRef when they travel through a data plane
+         (transport/planes.py: the shm arena, or CUDA IPC buffers)
+  record Reply header | body | buffer announcements | inline distributions
+         (announcements: a CUDA IPC plane's handles, each once, in the first reply
+         that refers to its buffer; inline: transports without an arena)
 A Ray actor's distributions travel beside the frame instead, as a numpy array
 in Ray's object store (Transport.take_tensor).
 The body of DRAFT is a packed DraftResult, of READY a Control, of an error
@@ -34,6 +37,7 @@ from hetero_sd.sampling import Sampler, SamplingParams
 from hetero_sd.scheduler.mode import RequestMode
 from hetero_sd.scheduler.round import Round
 from hetero_sd.transport import CorruptRecord, pack_frame, unpack_frame
+from hetero_sd.transport.planes import HostReader, HostWriter
 
 HELLO, BEGIN, RESET, READY, ACK, DRAFT = 1, 2, 3, 4, 5, 6  # Control ops / what a reply answers
 OK, ERROR = 0, 1  # reply status
@@ -50,10 +54,10 @@ class Control(_Record):
     words: list[int] = field(default_factory=list)  # [n] int32
 
 
-# status, answers (op), source (FRESH/PARTIAL/AHEAD), body bytes, seconds computed for
-# this reply, seconds spent drafting ahead since the previous reply, and of the seconds
+# status, answers (op), source (FRESH/PARTIAL/AHEAD), body bytes, announcement bytes,
+# seconds computed for this reply, seconds spent drafting ahead since the previous reply, and of the seconds
 # computed, those of a catch-up (Round.catch_up_s)
-_HEADER = struct.Struct("<iiiIddd")
+_HEADER = struct.Struct("<iiiIIddd")
 
 
 @dataclass
@@ -69,43 +73,61 @@ class Reply:
     region: int | None = None  # the arena region `probs` is a view of (release it after use)
 
 
-def encode_reply(channel, reply: Reply) -> bytes:
-    """The frame for `reply`; its distributions go into the channel's arena
-    when it has one (shared memory), inline after the body otherwise."""
-    refs, inline = [], b""
+def encode_reply(channel, reply: Reply, plane=None) -> bytes:
+    """The frame for `reply`; its distributions go into `plane` (planes.writer_for;
+    None: the channel's host arena, when it has one), inline after the body otherwise."""
+    refs, announce, inline = [], b"", b""
+    if plane is None and channel.tx_arena is not None:
+        plane = HostWriter(channel.tx_arena)
     if reply.probs is not None:
-        probs = np.ascontiguousarray(reply.probs, dtype=np.float64)
-        arena = channel.tx_arena
-        if arena is not None:
-            ref, view = arena.claim(timeout=30.0).alloc(probs.shape, np.float64)
-            view[...] = probs
-            refs = [ref]
+        probs = reply.probs if _on_device(reply.probs) else np.ascontiguousarray(reply.probs, dtype=np.float64)
+        if plane is not None:
+            ref, view = plane.claim(timeout=30.0).alloc(tuple(probs.shape), np.float64)
+            plane.write(view, probs)
+            plane.flush()  # the bytes are in place before the record naming them is sent
+            refs, announce = [ref], plane.announcements()
         else:
-            inline = probs.tobytes()
-    head = _HEADER.pack(reply.status, reply.answers, reply.source, len(reply.body), reply.compute_s,
-                        reply.ahead_s, reply.catch_up_s)
-    return pack_frame(head + reply.body + inline, refs)
+            inline = np.ascontiguousarray(probs, dtype=np.float64).tobytes()
+    head = _HEADER.pack(reply.status, reply.answers, reply.source, len(reply.body), len(announce),
+                        reply.compute_s, reply.ahead_s, reply.catch_up_s)
+    return pack_frame(head + reply.body + announce + inline, refs)
+
+
+def _on_device(probs) -> bool:
+    """A torch tensor (a GPU drafter's rows): a device plane copies it as it is."""
+    return type(probs).__module__.startswith("torch")
 
 
 def error_reply(answers: int, exc: BaseException) -> Reply:
     return Reply(ERROR, answers, f"{type(exc).__name__}: {exc}".encode()[:4000])
 
 
-def decode_reply(channel, frame: bytes, vocab: int) -> Reply:
-    """Parse a frame; raises CorruptRecord when it is not a well-formed reply.
-    Distributions come back as a read-only zero-copy view of the arena (shm)."""
+def decode_reply(channel, frame: bytes, vocab: int, plane=None) -> Reply:
+    """Parse a frame; raises CorruptRecord when it is not a well-formed reply (and
+    IpcOwnerGone, a TransportError, for rows whose owner died). Distributions come
+    back through `plane` (planes.reader_for; None: the channel's host arena): a
+    read-only zero-copy view of the shm arena, a host copy of CUDA IPC rows."""
     try:
         record, refs = unpack_frame(frame)
-        status, answers, source, n_body, compute_s, ahead_s, catch_up_s = _HEADER.unpack_from(record, 0)
+        status, answers, source, n_body, n_announce, compute_s, ahead_s, catch_up_s = \
+            _HEADER.unpack_from(record, 0)
     except struct.error as exc:
         raise CorruptRecord(f"reply of {len(frame)} bytes is not a worker frame: {exc}") from None
     body_end = _HEADER.size + n_body
+    if plane is None and channel.rx_arena is not None:
+        plane = HostReader(channel.rx_arena)
+    if n_announce:  # handles come first: the refs below may name the buffers they open
+        if plane is None or body_end + n_announce > len(record):
+            raise CorruptRecord(f"reply announces {n_announce} bytes of buffers on a channel without a data plane")
+        plane.accept(record[body_end:body_end + n_announce])
+        body_end += n_announce  # (the inline rows follow the announcements)
     if status not in (OK, ERROR) or source not in (FRESH, PARTIAL, AHEAD) or body_end > len(record):
         raise CorruptRecord(f"reply header (status {status}, source {source}, body {n_body} bytes) "
                             f"does not fit a {len(record)}-byte record")
     if not 0.0 <= catch_up_s <= compute_s:
         raise CorruptRecord(f"reply says {catch_up_s} s of its {compute_s} s computed were a catch-up")
-    reply = Reply(status, answers, bytes(record[_HEADER.size:body_end]), source, compute_s, ahead_s, catch_up_s)
+    reply = Reply(status, answers, bytes(record[_HEADER.size:_HEADER.size + n_body]), source, compute_s, ahead_s,
+                  catch_up_s)
     inline = record[body_end:]
     side = channel.take_tensor()  # beside the frame: Ray's object store
     if side is not None:
@@ -114,10 +136,10 @@ def decode_reply(channel, frame: bytes, vocab: int) -> Reply:
                                 f"and {len(refs)} tensor refs, {len(inline)} inline bytes in it")
         reply.probs = side
     elif refs:
-        if len(refs) != 1 or channel.rx_arena is None or inline:
+        if len(refs) != 1 or plane is None or inline:
             raise CorruptRecord(f"reply carries {len(refs)} tensor refs and {len(inline)} inline bytes")
+        reply.probs = plane.read(refs[0])
         reply.region = refs[0].region
-        reply.probs = channel.rx_arena.view(refs[0])
     elif inline:
         if len(inline) % (8 * vocab):
             raise CorruptRecord(f"{len(inline)} inline bytes are not whole rows of {vocab} float64")

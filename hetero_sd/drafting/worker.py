@@ -34,9 +34,9 @@ from hetero_sd.drafting.base import common_prefix
 from hetero_sd.drafting.specs import DrafterSpec, ModelSpec
 from hetero_sd.drafting.wire import (ACK, AHEAD, BEGIN, DRAFT, FRESH, HELLO, OK, PARTIAL, READY, RESET, Control,
                                      Reply, encode_reply, error_reply, sampler_from_words)
-from hetero_sd.ir.work import DraftRequest, DraftResult
+from hetero_sd.ir.work import MAX_DRAFT_TOKENS, DraftRequest, DraftResult
 from hetero_sd.scheduler.round import Round
-from hetero_sd.transport import PeerClosed, TransportTimeout, connect
+from hetero_sd.transport import PeerClosed, TransportTimeout, connect, planes
 
 IDLE_WAIT_S = 3600.0  # a bounded wait between requests (see main)
 
@@ -49,6 +49,11 @@ class WorkerOptions:
     threads: int | None = None  # torch / OpenMP threads in the worker; None: the runtime's default
     cpu: int | tuple[int, ...] | None = None  # pin the worker to this CPU or these CPUs (Linux)
     cache: str | None = None  # the engine's cache folder ($HETERO_SD_CACHE; None: the default one)
+    # where draft distributions travel (transport/planes.py): host (the shm arena), cuda_ipc
+    # (buffers on `plane_device`, shared once through CUDA IPC) or cpu_ipc (its CPU stand-in);
+    # RemoteDrafter resolves a config's auto before it starts the worker
+    data_plane: str = "host"
+    plane_device: str = "cpu"
 
 
 class Lookahead:
@@ -114,9 +119,19 @@ class Handler:
         self.step = 1 if isinstance(spec, ModelSpec) else None  # poll between single model steps
         self.ahead: Lookahead | None = None
         self.ahead_s = 0.0  # seconds drafted ahead since the last reply
+        try:
+            self.plane = planes.writer_for(channel, options.data_plane, options.plane_device,
+                                           planes.region_bytes(options.target_vocab, MAX_DRAFT_TOKENS))
+        except Exception as exc:  # (no device buffers: every request learns why, as for a load error)
+            self.plane, self.load_error = None, load_error or exc
 
     def __call__(self, msg: bytes) -> bytes:
-        return encode_reply(self.channel, self.reply(msg))
+        return encode_reply(self.channel, self.reply(msg), self.plane)
+
+    def close(self) -> None:
+        """Free the data plane's buffers (a worker exits without atexit handlers)."""
+        if self.plane is not None:
+            self.plane.close()
 
     def reply(self, msg: bytes) -> Reply:
         """The answer to one request, not yet encoded (a Ray actor sends its
@@ -202,7 +217,7 @@ def main(spec: DrafterSpec, address, options: WorkerOptions, *, build: Callable,
     `build(spec, target_vocab)` makes the drafter; a `handler_type` instance answers requests."""
     if not in_process:
         _setup(options)
-    channel = connect(address)
+    channel, handler = connect(address), None
     try:
         try:
             drafter, error = build(spec, options.target_vocab), None
@@ -222,6 +237,8 @@ def main(spec: DrafterSpec, address, options: WorkerOptions, *, build: Callable,
     except PeerClosed:
         pass  # the engine closed the channel (or died): nothing left to do
     finally:
+        if handler is not None:
+            handler.close()
         channel.close()
 
 

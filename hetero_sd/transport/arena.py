@@ -181,6 +181,15 @@ class Arena:
     # ------------------------------------------------------------------ reader
     def view(self, ref: TensorRef) -> np.ndarray:
         """A read-only zero-copy view of the tensor `ref` points to."""
+        self.check(ref)
+        if ref.offset + ref.nbytes > self.region_bytes or ref.offset < 0:
+            raise CorruptRecord(f"tensor ref {ref.shape} {ref.dtype} at {ref.offset} overruns "
+                                f"its {self.region_bytes}-byte region")
+        return self._array(ref, writable=False)
+
+    def check(self, ref: TensorRef) -> None:
+        """Raise CorruptRecord unless `ref`'s region is held at its generation (a
+        device data plane keeps its region states here and its bytes elsewhere)."""
         if not 0 <= ref.region < self.n_regions:
             raise CorruptRecord(f"tensor ref names region {ref.region}; the arena has {self.n_regions}")
         word = _state_word(ref.region)
@@ -188,10 +197,6 @@ class Arena:
         if state != HELD or gen != ref.gen:
             raise CorruptRecord(f"stale tensor ref: region {ref.region} generation {ref.gen}, "
                                 f"the region is {'held' if state == HELD else 'free'} at generation {gen}")
-        if ref.offset + ref.nbytes > self.region_bytes or ref.offset < 0:
-            raise CorruptRecord(f"tensor ref {ref.shape} {ref.dtype} at {ref.offset} overruns "
-                                f"its {self.region_bytes}-byte region")
-        return self._array(ref, writable=False)
 
     def release(self, region: int) -> None:
         """The reader is done with `region`: the writer may reuse it."""
