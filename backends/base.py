@@ -155,6 +155,23 @@ class Pending:
         return self._result
 
 
+class DeviceQueue:
+    """One thread that runs a runner's submitted calls in order, so submit returns at once:
+    an asynchronous device for a runtime whose calls block the caller (the fake backend's
+    declared latencies), the way a GPU's stream is one."""
+
+    def __init__(self, name: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, name)
+
+    def submit(self, call, *args) -> Pending:
+        future = self._pool.submit(call, *args)
+        pending = Pending(future.result)
+        future.add_done_callback(lambda _: pending.finished())
+        return pending
+
+
 class Runner(ABC):
     """A model loaded on one device, with its own KV pool (module docstring)."""
 

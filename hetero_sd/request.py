@@ -138,7 +138,7 @@ class Request:
             step = self.propose()
             if step is None:
                 return
-            scored = self._verify_overlapped(step) if self.overlapping else self.score(step)
+            scored = self.verify(step)
             if self.accept(step, scored):
                 return
 
@@ -148,9 +148,11 @@ class Request:
         grammar state is round r's while round r+1 would be drafted: it stays serial)."""
         return self.overlap is not None and self.overlap.on and self.speculating and self.constrainer is None
 
-    def _verify_overlapped(self, step: VerifyRequest):
-        """What score(step) returns, the target's device computing it while the drafter
-        pre-drafts the next round here (hetero_sd/ahead.py)."""
+    def verify(self, step: VerifyRequest):
+        """score(step); where the request overlaps, the target's device computes it while
+        the drafter pre-drafts the next round here (hetero_sd/ahead.py)."""
+        if not self.overlapping:
+            return self.score(step)
         pending = self.submit(step)
         rnd, t0 = self.round, time.perf_counter()
         k = self._ahead_k(step, rnd)

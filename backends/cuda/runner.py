@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import triton
 
-from hetero_sd.backends.base import BatchItem, DeviceInfo, PrecisionInfo
+from hetero_sd.backends.base import BatchItem, DeviceInfo, Pending, PrecisionInfo
 from hetero_sd.backends.cuda.forward import CudaForward, Rows, rope_tables
 from hetero_sd.backends.cuda.graphs import GraphCache
 from hetero_sd.backends.cuda.ops import Kernels
@@ -57,6 +57,9 @@ class CudaRunner(PooledRunner):
         self.device, self.precision = info, precision
         self.vocab_size, self.max_context = cfg.logits_vocab, cfg.max_position_embeddings
         self._dev = torch.device(info.device)
+        # calls are launched on the stream and return before the GPU is done (submit);
+        # interpreted kernels on the cpu device run where they are called
+        self.asynchronous = self._dev.type == "cuda"
         self._dtype, self._tiles = dtype, tiles
         blocks = precision.name == "gguf"
         bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
@@ -141,6 +144,23 @@ class CudaRunner(PooledRunner):
     def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
         """Only the chosen ids leave the device."""
         return self._run([BatchItem(seq_id, tokens, start, num_logits)], True)[0].tolist()
+
+    def submit(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int,
+               greedy: bool = True) -> Pending:
+        """Launch the call and return: its result is copied to pinned host memory behind an
+        event, and wait() synchronizes on that event alone (not the whole device)."""
+        if not self.asynchronous:
+            return super().submit(seq_id, tokens, start, num_logits, greedy)
+        out = self._run([BatchItem(seq_id, tokens, start, num_logits)], greedy)[0]
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait():
+            done.synchronize()
+            return host.tolist() if greedy else host.numpy()
+        return Pending(wait)
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
         """Every item's rows in one pass, prefills among them: one kernel set serves all."""

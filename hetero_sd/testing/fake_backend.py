@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -50,7 +49,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, Pending, PoolUsage, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.base import API_VERSION, DeviceInfo, DeviceQueue, Pending, PoolUsage, PrecisionInfo, Runner, resolve
 from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.ir.errors import BackendError, ConfigError
 from hetero_sd.ir.model import ModelIR
@@ -326,7 +325,7 @@ class FakeRunner(Runner):
         self.feature_layers = inner.feature_layers  # hidden states (backends/base.py): the wrapped runner's
         self.asynchronous = asynchronous
         # the device's queue: one thread runs submitted calls in order
-        self._queue = ThreadPoolExecutor(1, f"fake-{info.device}") if asynchronous else None
+        self._queue = DeviceQueue(f"fake-{info.device}") if asynchronous else None
 
     def take_features(self, seq_id: int):
         return self.inner.take_features(seq_id)
@@ -367,10 +366,7 @@ class FakeRunner(Runner):
         if self._queue is None:
             return super().submit(seq_id, tokens, start, num_logits, greedy)
         method = "greedy" if greedy else "forward"
-        future = self._queue.submit(self._call, method, seq_id, list(tokens), start, num_logits)
-        pending = Pending(future.result)
-        future.add_done_callback(lambda _: pending.finished())
-        return pending
+        return self._queue.submit(self._call, method, seq_id, list(tokens), start, num_logits)
 
     def _due(self) -> bool:
         """Count this call; is it one of the failing ones?"""

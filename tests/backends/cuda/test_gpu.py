@@ -70,3 +70,21 @@ def test_weights_and_pool_in_device_memory(tiny_model_dir):
     assert pool == k.numel() * k.element_size() * 2
     grown = torch.cuda.memory_allocated() - before
     assert grown >= pool + runner.weight_bytes
+
+
+def test_submit_returns_before_the_gpu_is_done_and_equals_greedy(tiny_model_dir):
+    """The asynchronous call (Runner.submit) the overlap of drafting and verifying uses:
+    its ids equal greedy's, bit for bit, at every width."""
+    runner = _runner(tiny_model_dir("llama"), True)
+    assert runner.asynchronous
+    prompt = random_prompt(20, seed=4)
+    a, b = runner.allocate(64), runner.allocate(64)
+    for s in (a, b):
+        runner.forward(s, prompt, 0, 1)
+    for width in range(1, 10):
+        cont = random_prompt(width, seed=width)
+        sync = runner.greedy(a, cont, 20, width)
+        pending = runner.submit(b, cont, 20, width)
+        assert pending.wait() == sync
+        logits = runner.submit(b, cont, 20, width, greedy=False).wait()
+        assert np.array_equal(logits, runner.forward(a, cont, 20, width))

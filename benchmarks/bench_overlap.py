@@ -1,0 +1,112 @@
+"""Drafting during the verify, measured: the share of drafting a verify hides, and the speedup.
+
+    python benchmarks/bench_overlap.py                       # the fake device table (about 1 minute)
+    python benchmarks/bench_overlap.py --json overlap.json
+
+The target is a tiny random model on the fake backend's asynchronous device
+(hetero_sd/testing/fake_backend.py): every call lasts a declared `--verify-ms`
+(flat in the width, as on a GPU) on the device's own thread. The drafter is a
+ControlledDrafter (hetero_sd/testing/controlled.py) on this CPU: each draft
+token is the target's own greedy token with probability a, and costs a declared
+step of 2-10 ms. Three runs each, side by side: target-only, speculation with
+draft-then-verify (scheduler.overlap off) and with the next round drafted during
+the verify (overlap auto: the fake device is asynchronous and the drafter on
+another device). k is the most drafts whose pre-draft (k + 1 tokens) fits in a
+verify. Every speculative output is checked equal to target-only's.
+
+hidden: of all drafting seconds (serial drafts and pre-drafts), the share spent
+while the device verified. hits: rounds whose drafts a pre-draft gave. The goal
+(issue 58) is >= 80% hidden where a round's drafting is shorter than its
+verify; the single-branch pre-draft reaches it only where the pre-draft hits
+most rounds (a miss drafts serially), and the table says where.
+Not a test: speed is measured, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny model builder
+from helpers.tiny_models import make_hf_model, random_prompt  # noqa: E402
+
+from hetero_sd.engine import Engine  # noqa: E402
+from hetero_sd.ir import load_model_ir  # noqa: E402
+from hetero_sd.testing.controlled import ControlledDrafter  # noqa: E402
+from hetero_sd.testing.fake_backend import FakeBackend, FakeCosts, FakeDeviceSpec  # noqa: E402
+
+
+def _target(model_dir: Path, verify_s: float):
+    costs = FakeCosts(prefill_per_token_s=0.0, decode_per_token_s=verify_s, verify_base_s=verify_s)
+    backend = FakeBackend(devices=[FakeDeviceSpec(device="fake:0", costs=costs, asynchronous=True)],
+                          simulate_time=True)
+    return backend.load(load_model_ir(model_dir), "fake:0", "fp32", 8 << 20)
+
+
+def _run(target, drafter, prompt, n, overlap, k=1):
+    engine = Engine(target, drafter, k=k, overlap=overlap)
+    return engine.generate_ids(prompt, n, target_only=drafter is None)
+
+
+def measure(verify_ms: float, steps_ms: list[float], alphas: list[float], tokens: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_hf_model(Path(tmp) / "tiny", "llama", seed=0)
+        target = _target(model, verify_ms / 1e3)
+        prompt = random_prompt(16, seed=3)
+        alone = _run(target, None, prompt, tokens, "off")
+        oracle = alone.token_ids
+        rows = []
+        for step in steps_ms:
+            k = max(1, min(4, int(verify_ms // step) - 1))
+            for a in alphas:
+                row = {"verify_ms": verify_ms, "step_ms": step, "k": k, "a": a,
+                       "target_only_tok_s": alone.stats.tokens_per_s}
+                for name, overlap in (("serial", "off"), ("overlap", "auto")):
+                    drafter = ControlledDrafter(prompt, oracle, target.vocab_size, a, step / 1e3)
+                    res = _run(target, drafter, prompt, tokens, overlap, k)
+                    if res.token_ids != oracle:
+                        raise SystemExit(f"LOSSLESS VIOLATION: {name} a={a} step={step}")
+                    st = res.stats
+                    row[f"{name}_tok_s"] = st.tokens_per_s
+                    row[f"{name}_hidden"] = st.hidden_share
+                    row[f"{name}_hits"] = st.predraft_hits / st.rounds if st.rounds else 0.0
+                    row[f"{name}_acceptance"] = st.acceptance_rate
+                row["overlap_over_serial"] = row["overlap_tok_s"] / row["serial_tok_s"]
+                row["overlap_over_target"] = row["overlap_tok_s"] / row["target_only_tok_s"]
+                rows.append(row)
+                print(_line(row), flush=True)
+        return rows
+
+
+HEADER = ("verify ms  step ms  k    a  accept  target-only  serial tok/s  overlap tok/s  "
+          "overlap/serial  overlap/target  hidden  hits")
+
+
+def _line(r: dict) -> str:
+    return (f"{r['verify_ms']:9.0f}  {r['step_ms']:7.0f}  {r['k']}  {r['a']:.1f}  {r['overlap_acceptance']:6.0%}  "
+            f"{r['target_only_tok_s']:11.1f}  {r['serial_tok_s']:12.1f}  {r['overlap_tok_s']:13.1f}  "
+            f"{r['overlap_over_serial']:14.2f}  {r['overlap_over_target']:14.2f}  {r['overlap_hidden']:6.0%}  "
+            f"{r['overlap_hits']:4.0%}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--verify-ms", type=float, default=20.0)
+    ap.add_argument("--steps-ms", default="2,5,10")
+    ap.add_argument("--alphas", default="0.5,0.7,0.9")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    print(f"host: {platform.processor() or platform.machine()}, fake device (declared latencies)")
+    print(HEADER)
+    rows = measure(args.verify_ms, [float(s) for s in args.steps_ms.split(",")],
+                   [float(a) for a in args.alphas.split(",")], args.tokens)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
