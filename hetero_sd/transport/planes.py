@@ -274,7 +274,7 @@ def channel_options(kind: str, vocab: int, max_rows: int, regions: int = 2) -> d
 
 def writer_for(channel, kind: str, device: str, size: int):
     """The producer's plane over `channel` (None: no arena; rows go inline)."""
-    control = getattr(channel, "tx_arena", None)
+    control = channel.tx_arena
     if control is None:
         return None
     if kind == "host":
@@ -283,7 +283,7 @@ def writer_for(channel, kind: str, device: str, size: int):
 
 
 def reader_for(channel, kind: str):
-    control = getattr(channel, "rx_arena", None)
+    control = channel.rx_arena
     if control is None:
         return None
     return HostReader(control) if kind == "host" else DeviceReader(control, BUFFER_KINDS[kind]())
