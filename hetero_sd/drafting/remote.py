@@ -310,7 +310,8 @@ class RemoteDrafter(Drafter):
                 frame = self._sliced(w, deadline, w.channel.recv, slice_s=None)
             else:
                 frame = self._sliced(w, deadline, w.channel.recv)
-            reply = decode_reply(w.channel, frame, self.vocab, w.plane)
+            plane = w.plane if isinstance(w, _Worker) else None  # (a Ray actor's rows come beside the frame)
+            reply = decode_reply(w.channel, frame, self.vocab, plane)
             w.held = reply.region
             if reply.status == ERROR:
                 raise from_text(reply.body.decode(errors="replace"), f"drafter worker {self.name}", WorkerError)
