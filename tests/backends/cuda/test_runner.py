@@ -162,3 +162,25 @@ def test_gguf_blocks_target(tiny_gguf, tiny_roundtrip_dir):
     got = runner.forward(runner.allocate(16), prompt, 0, len(prompt))
     assert np.abs(got - ref).max() <= 0.5 * ref.std()
     assert_lossless(Engine(runner, NgramDrafter(1, 3), k=3), random_prompt(5, seed=3) * 2, 5, "gguf k=3")
+
+
+def test_drafting_during_the_verify_is_lossless(tiny_model_dir):
+    """scheduler.overlap on (interpreted, the runner is synchronous and `on` forces the
+    pre-draft path; on a GPU its submit is asynchronous and auto overlaps): a draft model on
+    the torch CPU runner with the target's own weights (k = 5: pre-drafts hit) and another
+    seed's (k = 2: rejected), and seeded sampling with one-hot drafts equal to target-only's.
+    (k = 1..8 for every drafter kind runs on the table model: tests/hetero_sd/test_overlap.py.)"""
+    target = cuda_runner(tiny_model_dir("llama"))
+    prompt = random_prompt(8, seed=61)
+    hits = 0
+    for seed, k in ((0, 5), (1, 2)):
+        drafter = ModelDrafter(load_runner("torch", tiny_model_dir("llama", seed=seed)), target.vocab_size)
+        engine = Engine(target, drafter, k=k, overlap="on")
+        assert engine.overlap().on
+        stats = assert_lossless(engine, prompt, 10, f"overlap k={k} draft seed {seed}")
+        hits += stats.predraft_hits
+    assert hits > 0  # round r+1's drafts came from the pre-draft
+    params = SamplingParams(temperature=1.0, seed=7)
+    on = Engine(target, NgramDrafter(1, 3), k=3, overlap="on").generate_ids(prompt * 2, 6, sampling=params)
+    alone = Engine(target, None).generate_ids(prompt * 2, 6, sampling=params, target_only=True)
+    assert on.token_ids == alone.token_ids  # one-hot drafts: seeded sampling is target-only's
