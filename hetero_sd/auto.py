@@ -22,6 +22,7 @@ from hetero_sd.drafting.specs import ModelSpec, NgramSpec
 from hetero_sd.errors import BackendError, ConfigError, ModelLoadError
 from hetero_sd.failover import where
 from hetero_sd.loading import Loader
+from hetero_sd.draft_options import KindInputs
 from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
                                  replan, replan_if_drifted)
@@ -45,11 +46,20 @@ def _pinned(section, load: Loader) -> Placement | None:
     return Placement(backend, device, precision)
 
 
+# What plan_engine can build from a plan; the other kinds need placement: manual, which
+# load_config enforces (head, hybrid, drafter.stages, drafter.process: worker).
+BUILDABLE = frozenset({"ngram", "suffix", "model"})
+MANUAL_ONLY = (("head", "placement: auto builds ngram, suffix and model drafters; a head needs placement: "
+                        "manual (hetero-sd profile --explain prices it)"),
+               ("hybrid", "needs placement: manual, like the head it drafts with"),
+               ("cascade", "drafter.stages needs placement: manual"),
+               ("worker", "drafter.process: worker needs placement: manual"))
+
+
 def constraints(cfg: Config, load: Loader) -> Constraints:
     d = cfg.drafter
     return Constraints(target=_pinned(cfg.target, load),
-                       # the suffix drafter is planned as the model-free drafter (its costs are alike)
-                       drafter=None if d.kind == "auto" else "ngram" if d.kind == "suffix" else d.kind,
+                       drafter=None if d.kind == "auto" else d.kind,
                        draft_placement=_pinned(d, load) if d.kind in ("auto", "model") else None,
                        k=None if d.k == "auto" else d.k)
 
@@ -135,7 +145,8 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
                          workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
                          backends=cfg.auto.backends or None, precisions=cfg.auto.precisions or None,
                          quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=load.progress,
-                         registry=load.registry, options=load.options)
+                         registry=load.registry, options=load.options, overlap=cfg.scheduler.overlap,
+                         kinds=KindInputs(kinds=BUILDABLE, extra=MANUAL_ONLY if d.kind == "auto" else ()))
 
     draft_path = None
     try:
@@ -154,7 +165,9 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
 
     def drafter_spec(candidate):
         if candidate.drafter == "ngram":
-            return suffix_spec(cfg) if d.kind == "suffix" else NgramSpec(d.min_ngram, d.max_ngram)
+            return NgramSpec(d.min_ngram, d.max_ngram)
+        if candidate.drafter == "suffix":
+            return suffix_spec(cfg)
         # (a draft of another tokenizer is made to draft through the text by build_for_target)
         return replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=draft_min_prob(d))
 

@@ -49,9 +49,33 @@ def _models(cfg) -> tuple[Path, Path | None]:
     base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
     target = resolve_model(cfg.target.model, base, cfg.download).resolve()
     draft = None
-    if cfg.drafter.kind == "model" or (cfg.drafter.kind == "hybrid" and cfg.drafter.hybrid_with == "model"):
-        draft = resolve_model(cfg.drafter.model or cfg.target.model, base, cfg.download).resolve()
+    d = cfg.drafter
+    if d.kind in ("model", "auto") or (d.kind == "hybrid" and d.hybrid_with == "model"):
+        draft = resolve_model(d.model or cfg.target.model, base, cfg.download).resolve()
     return target, draft
+
+
+def _stage_models(cfg) -> list[Path]:
+    """drafter.stages' models, outermost first (a cascade's intermediate models)."""
+    from hetero_sd.config import resolve_model
+
+    base = Path(cfg.source).parent if cfg.source != "<defaults>" else None
+    return [resolve_model(s.model or cfg.target.model, base, cfg.download).resolve() for s in cfg.drafter.stages]
+
+
+def _kind_inputs(cfg, target: Path):
+    """What --explain needs to price every drafter kind: the head's estimated step where
+    a trained head exists (else why not), and drafters in a worker process too."""
+    from hetero_sd.assets import head_path
+    from hetero_sd.draft_options import KindInputs, head_fraction
+    from hetero_sd.errors import HeteroSDError
+    from hetero_sd.ir.model import load_model_ir
+
+    try:
+        head_path(cfg)
+    except HeteroSDError as exc:
+        return KindInputs(no_head=f"no trained head: {exc}", workers=True)
+    return KindInputs(head_fraction=head_fraction(load_model_ir(target).config.num_layers), workers=True)
 
 
 def run(args) -> int:
@@ -65,11 +89,13 @@ def run(args) -> int:
     if uses_ray(cfg):
         return _profile_cluster(cfg, args)
     target, draft = _models(cfg)
+    stages = _stage_models(cfg)
     k_max = args.k_max
     if k_max is not None and not 1 <= k_max <= 16:
         raise ConfigError(f"--k-max must be in 1..16, got {k_max}")
     settings = ProfileSettings.quick(k_max or 4) if args.quick else ProfileSettings(k_max=k_max or 8)
-    report = profile_models([target] + ([draft] if draft else []), _csv(args.backends), _csv(args.precisions),
+    report = profile_models([target] + ([draft] if draft else []) + stages, _csv(args.backends),
+                            _csv(args.precisions),
                             settings, refresh=args.refresh, progress=args.progress or sys.stderr.isatty(),
                             kv_budget=cfg.memory.kv_budget, options=config_options(cfg))
     roles = {str(target): "target"}
@@ -77,8 +103,10 @@ def run(args) -> int:
         roles[str(draft)] = _draft_role(draft, target)
     chosen = None
     if args.explain:
-        alphas = {k: v for k, v in (("ngram", args.alpha_ngram), ("model", args.alpha_model)) if v is not None}
-        chosen = plan(build_problem(report, target, draft, alphas))
+        alphas = {**cfg.auto.acceptance,
+                  **{k: v for k, v in (("ngram", args.alpha_ngram), ("model", args.alpha_model)) if v is not None}}
+        chosen = plan(build_problem(report, target, draft, alphas, kinds=_kind_inputs(cfg, target),
+                                    stage_models=tuple(stages), overlap=cfg.scheduler.overlap))
     if args.json:
         out = report.to_json()
         for entry in out["profiles"]:
@@ -126,7 +154,8 @@ def _profile_cluster(cfg, args) -> int:
 def _candidate_json(c) -> dict:
     return {"target": str(c.target), "drafter": c.drafter,
             "draft_placement": None if c.draft_placement is None else str(c.draft_placement),
-            "k": c.k, "tokens_per_s": c.tokens_per_s}
+            "k": c.k, "tokens_per_s": c.tokens_per_s, "label": c.drafter_label,
+            "overlap": c.overlap.on, "overlap_why": c.overlap.why}
 
 
 def _decode(e) -> str:
@@ -165,16 +194,18 @@ def _print_table(report, roles: dict) -> None:
     table.add_column("prefill n:ms", justify="right")
     table.add_column("decode", justify="right")
     table.add_column(f"verify w=1..{s.k_max + 1}", justify="right")
+    table.add_column("calls")  # async: the runner returns before the device is done (overlap possible)
     table.add_column("matmul, one-token calls")
     table.add_column("source")
     for e in report.entries:
         table.add_row(e.model, roles.get(e.model_path, ""), str(e.placement), "yes" if e.exact else "no",
                       " ".join(f"{n}:{t * 1e3:.1f}" for n, t in e.prefill), _decode(e),
-                      " ".join(f"{t * 1e3:.2f}" for _, t in e.verify), _kernel(e.kernel),
+                      " ".join(f"{t * 1e3:.2f}" for _, t in e.verify), "async" if e.asynchronous else "sync",
+                      _kernel(e.kernel),
                       "cache" if e.cached else "measured")
     for f in report.failures:
         table.add_row(f["model"], roles.get(f["model_path"], ""), f["placement"], "-", "", "",
-                      f"[red]{f['error']}[/red]", "", "failed")
+                      f"[red]{f['error']}[/red]", "", "", "failed")
     console = Console()
     if not console.is_terminal:  # piped: keep one placement per line rather than wrap at 80 columns
         console = Console(width=240)

@@ -24,7 +24,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hetero_sd.ir.cache import cache_root, model_identity
@@ -32,11 +32,11 @@ from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOption
 from hetero_sd.backends.registry import Registry, discover, load_runner
 from hetero_sd.errors import ConfigError
 from hetero_sd.ir.model import load_model_ir
+from hetero_sd.draft_options import DEFAULT_ACCEPTANCE, KindInputs, draft_options
 from hetero_sd.scheduler import Constraints, CostCurve, DeviceProfile, DraftOption, Placement, Problem
 
 PROFILE_VERSION = 3  # bump when what is measured, or how, changes (2: one-token calls padded per host
 # check; 3: the one-token step as a draft, unpadded, measured apart)
-DEFAULT_ACCEPTANCE = {"ngram": 0.5, "model": 0.7}  # priors until the engine observes real acceptance
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ class ProfileEntry:
     measured_at: str = ""
     kernel: str = ""  # the runner's kernel choice for this host (Runner.kernel_choice)
     cached: bool = field(default=False, compare=False)  # read from the cache, not measured now
+    # the runner's calls return before the device is done (a CUDA stream): set per run from
+    # the backend (`asynchronous_device`), not cached, since it is the device's, not a figure
+    asynchronous: bool = field(default=False, compare=False)
 
     @property
     def placement(self) -> Placement:
@@ -78,7 +81,7 @@ class ProfileEntry:
         step may be cheaper than a target's (a target pads it where its host needs)."""
         step = self.draft_decode_s if draft and self.draft_decode_s > 0 else self.decode_s
         return DeviceProfile(self.model, self.placement, CostCurve(tuple(self.prefill)), step,
-                             CostCurve(tuple(self.verify)), self.exact)
+                             CostCurve(tuple(self.verify)), self.exact, self.asynchronous)
 
 
 @dataclass
@@ -139,6 +142,7 @@ def _write_cache(path: Path, entry: ProfileEntry) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = asdict(entry)
     data.pop("cached")
+    data.pop("asynchronous")
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
@@ -227,6 +231,21 @@ def _placements(registry: Registry, backends: list[str] | None, precisions: list
     return out
 
 
+def asynchronous_device(registry: Registry, backend: str, device: str) -> bool:
+    """Whether the runner on this device works asynchronously (Runner.asynchronous): a
+    `cuda` backend's CUDA device does (a stream; the Triton interpreter's "cpu" does
+    not), a fake device where its spec declares `asynchronous`, every other not."""
+    if backend == "cuda":
+        return device.lower().startswith("cuda")
+    spec_of = getattr(registry.get(backend), "device_spec", None)  # the fake backend's
+    if spec_of is None:
+        return False
+    try:
+        return bool(getattr(spec_of(device), "asynchronous", False))
+    except Exception:  # a device the spec does not know: no claim
+        return False
+
+
 def available_placements(registry: Registry) -> str:
     return ", ".join(f"{name}:{info.device}/{p.name}" for name, b in sorted(registry.backends.items())
                      for info in b.probe() for p in info.precisions)
@@ -265,6 +284,7 @@ def profile_models(models: list[Path], backends: list[str] | None = None, precis
                         bar.update(1)
                         continue
                     _write_cache(path, entry)
+                entry.asynchronous = asynchronous_device(registry, name, info.device)
                 entries.append(entry)
                 bar.update(1)
     finally:
@@ -285,17 +305,26 @@ def _measure(registry: Registry, ir, placement: Placement, exact: bool, settings
 # ------------------------------------------------------------------ to the splitter
 def build_problem(report: ProfileReport, target_model: Path | str, draft_model: Path | str | None = None,
                   acceptance: dict[str, float] | None = None, k_max: int | None = None,
-                  constraints: Constraints = Constraints(), workload=None) -> Problem:
-    """The splitter's problem: targets = the target model's profiles; drafters =
-    the n-gram drafter plus, if given, the draft model on each profiled placement."""
+                  constraints: Constraints = Constraints(), workload=None, kinds: KindInputs | None = None,
+                  stage_models: tuple[Path | str, ...] = (), overlap: str = "auto") -> Problem:
+    """The splitter's problem: targets = the target model's profiles. Drafters: without
+    `kinds`, the n-gram drafter plus, if given, the draft model on each profiled
+    placement; with it, every drafter kind (draft_options.py), the draft model's and
+    the stage models' (`stage_models`, outermost first) profiles read from the report."""
     alpha = {**DEFAULT_ACCEPTANCE, **(acceptance or {})}
     targets = tuple(e.to_profile() for e in report.for_model(target_model))
     if not targets:
         raise ConfigError(f"no profile of the target model {target_model}; run `hetero-sd profile` for it")
-    drafters = [DraftOption("ngram", alpha["ngram"], round_s=report.ngram_round_s)]
-    if draft_model is not None:
-        drafters += [DraftOption("model", alpha["model"], e.to_profile(draft=True)) for e in report.for_model(draft_model)]
-    return Problem(targets, tuple(drafters), k_max or report.settings.k_max, constraints, workload)
+    k_max = k_max or report.settings.k_max
+    drafts = tuple(e.to_profile(draft=True) for e in report.for_model(draft_model)) if draft_model else ()
+    if kinds is None:
+        drafters = [DraftOption("ngram", alpha["ngram"], round_s=report.ngram_round_s)]
+        drafters += [DraftOption("model", alpha["model"], p) for p in drafts]
+        return Problem(targets, tuple(drafters), k_max, constraints, workload, overlap)
+    stages = tuple(tuple(e.to_profile(draft=True) for e in report.for_model(m)) for m in stage_models)
+    inputs = replace(kinds, drafts=drafts or kinds.drafts, stages=stages or kinds.stages)
+    options, unplanned = draft_options(targets, alpha, report.ngram_round_s, inputs, k_max)
+    return Problem(targets, tuple(options), k_max, constraints, workload, overlap, tuple(unplanned))
 
 
 def auto_plan(target_model: Path | str, draft_model: Path | str | None = None, *,
@@ -303,13 +332,16 @@ def auto_plan(target_model: Path | str, draft_model: Path | str | None = None, *
               k_max: int = 8, workload=None, backends: list[str] | None = None,
               precisions: list[str] | None = None, quick: bool = False, kv_budget: int = 64 * 2**20,
               progress: bool = False, registry: Registry | None = None,
-              options: BackendOptions = DEFAULT_OPTIONS):
+              options: BackendOptions = DEFAULT_OPTIONS, kinds: KindInputs | None = None,
+              stage_models: tuple[Path | str, ...] = (), overlap: str = "auto"):
     """`placement: auto` in one call: profile every placement (cached: only the
-    first run on a host pays), then plan under the constraints."""
+    first run on a host pays), then plan under the constraints. kinds: plan every
+    drafter kind (build_problem)."""
     from hetero_sd.scheduler import plan
 
     settings = ProfileSettings.quick(k_max) if quick else ProfileSettings(k_max=k_max)
-    models = [target_model] + ([draft_model] if draft_model is not None else [])
+    models = [target_model] + ([draft_model] if draft_model is not None else []) + list(stage_models)
     report = profile_models(models, backends, precisions, settings, progress=progress, kv_budget=kv_budget,
                             registry=registry, options=options)
-    return plan(build_problem(report, target_model, draft_model, acceptance, k_max, constraints, workload))
+    return plan(build_problem(report, target_model, draft_model, acceptance, k_max, constraints, workload,
+                              kinds, tuple(stage_models), overlap))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hetero_sd.ir.work import DraftPrices
+from hetero_sd.scheduler import overlap as _overlap
 
 
 @dataclass(frozen=True, order=True)
@@ -122,6 +123,9 @@ class DeviceProfile:
     decode_s: float  # one one-token step at a short context (a draft step)
     verify: CostCurve  # seconds of one target call scoring w tokens (w = k + 1)
     exact: bool = True  # batch-invariant: speculative output equals target-only bit for bit
+    # its runner's submit returns before the device is done (a CUDA stream): a drafter on
+    # another device can draft the next round meanwhile (scheduler/overlap.py)
+    asynchronous: bool = False
 
     def __post_init__(self):
         if not (math.isfinite(self.decode_s) and self.decode_s > 0) or self.verify(1) <= 0:
@@ -138,13 +142,22 @@ class RoundCost:
     # Seconds per round on the link to a drafter on another node (a request out, the draft
     # back: cluster/link.py); 0 in one process or host.
     link: float = 0.0
+    # The drafter pre-drafts round r+1 during round r's verify (overlap.decide said so):
+    # priced by overlap.round_seconds, which needs the acceptance (seconds' alpha).
+    overlap: bool = False
 
-    def seconds(self, k: int, hit: float = 1.0) -> float:
+    def seconds(self, k: int, hit: float = 1.0, alpha: float | None = None) -> float:
         """Expected time of a round asking for k drafts (k = 0: one target decode).
-        A miss (no drafts) still pays the drafter's lookup, then verifies 1 token."""
+        A miss (no drafts) still pays the drafter's lookup, then verifies 1 token.
+        With the overlap (and alpha given) the pre-draft of k + 1 tokens runs during
+        the verify and is used when every draft and the bonus guess hold."""
         if k == 0:
             return self.verify(1)
-        return self.draft(k) + self.link + hit * self.verify(k + 1) + (1.0 - hit) * self.verify(1)
+        verify = self.link + hit * self.verify(k + 1) + (1.0 - hit) * self.verify(1)
+        if self.overlap and alpha is not None:
+            used = hit * _overlap.hit_rate(alpha, k)
+            return _overlap.round_seconds(verify, self.draft(k), self.draft(k + 1), used)
+        return self.draft(k) + verify
 
     def seconds_ahead(self, alpha: float, k: int, hit: float = 1.0) -> float:
         """The same with the drafter working ahead (mode: async): while the target
@@ -167,13 +180,15 @@ class RoundCost:
 
     def rate(self, alpha: float, k: int, hit: float = 1.0) -> float:
         """Expected committed tokens per second with k drafts per round."""
-        return tokens_per_round(alpha, k, hit) / self.seconds(k, hit)
+        return tokens_per_round(alpha, k, hit) / self.seconds(k, hit, alpha)
 
     def _bound(self, alpha: float, k: int, k_max: int, hit: float) -> float:
         """Upper bound on rate(k') for every k' in k..k_max: the numerator grows
         with k' up to its value at k_max; the denominator is at least the
         minima of D and V over the remaining sizes (both monotone in floats)."""
-        low = self.draft.min_from(k) + self.link + hit * self.verify.min_from(k + 1) + (1.0 - hit) * self.verify(1)
+        # With the overlap a round lasts at least its verify (the draft may hide in it).
+        drafting = 0.0 if self.overlap else self.draft.min_from(k)
+        low = drafting + self.link + hit * self.verify.min_from(k + 1) + (1.0 - hit) * self.verify(1)
         # The margin covers a last-ulp wobble of pow(); it can only make the bound looser.
         return tokens_per_round(alpha, k_max, hit) / low * (1 + 1e-12) if low > 0 else math.inf
 
@@ -230,46 +245,82 @@ def tokens_per_round(alpha: float, k: int, hit: float = 1.0) -> float:
     return hit * expected_tokens(alpha, k) + (1.0 - hit)
 
 
+DRAFT_KINDS = ("ngram", "suffix", "model", "head", "hybrid", "cascade")
+MODEL_FREE = ("ngram", "suffix")  # no device of their own: a lookup on the host's CPU
+
+
 @dataclass(frozen=True)
 class DraftOption:
-    """A candidate drafter with its acceptance estimate: the n-gram drafter
-    (costs a lookup per round, proposes on `hit_rate` of rounds) or a draft
-    model measured on a placement (costs one decode step per draft token)."""
+    """A candidate drafter with its acceptance estimate.
 
-    kind: Literal["ngram", "model"]
+    ngram, suffix: a lookup per round (round_s) on the host's CPU, proposing on
+    `hit_rate` of rounds. model: a draft model measured on a placement (one
+    decode step per draft token). head: an EAGLE-3 head on the target's own
+    placement (profile = the target's), a step estimated, not measured; it reads
+    the verify's hidden states, so it cannot pre-draft. hybrid: suffix where the
+    match is long, else its head or draft model (priced as the latter, plus the
+    lookup). cascade: an intermediate model (profile) verifying an inner drafter
+    (`via`) and drafting for the target, a draft token priced at the stage's own
+    speculative decode time (step_s). process "worker": the drafter in its own
+    process, one transport round trip (link_s) a round."""
+
+    kind: Literal["ngram", "suffix", "model", "head", "hybrid", "cascade"]
     alpha: float
-    profile: DeviceProfile | None = None  # kind="model": the draft model where it would run
-    round_s: float = 0.0  # per-round overhead (the n-gram lookup; a draft model's catch-up)
+    profile: DeviceProfile | None = None  # where it computes (model-free kinds: none)
+    round_s: float = 0.0  # per-round overhead (the lookup; a draft model's catch-up)
     hit_rate: float = 1.0
+    step_s: float | None = None  # seconds per draft token; None: the profile's one-token step
+    process: Literal["inproc", "worker"] = "inproc"
+    link_s: float = 0.0  # per round: a worker's transport round trip
+    predrafts: bool = True  # can draft round r+1 before round r's verify returns (a head cannot)
+    via: str = ""  # hybrid: "head" or "model"; cascade: the inner drafter's label
+    estimated: bool = False  # step_s is an estimate (explain says so)
 
     def __post_init__(self):
-        if self.kind not in ("ngram", "model"):
-            raise ValueError(f"drafter kind must be 'ngram' or 'model', got {self.kind!r}")
-        if (self.kind == "model") != (self.profile is not None):
-            raise ValueError("a draft model option needs a profile; an n-gram option takes none")
-        if not 0.0 <= self.alpha <= 1.0 or not 0.0 <= self.hit_rate <= 1.0 or self.round_s < 0:
-            raise ValueError(f"alpha and hit_rate must be in [0, 1] and round_s >= 0, got {self}")
+        if self.kind not in DRAFT_KINDS:
+            raise ValueError(f"drafter kind must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
+        if (self.kind in MODEL_FREE) == (self.profile is not None):
+            raise ValueError(f"a {self.kind} option {'takes no' if self.kind in MODEL_FREE else 'needs a'} profile")
+        if self.kind == "head" and self.predrafts:
+            raise ValueError("a head reads the verify's hidden states: it cannot pre-draft (predrafts=False)")
+        if not 0.0 <= self.alpha <= 1.0 or not 0.0 <= self.hit_rate <= 1.0 or self.round_s < 0 \
+                or self.link_s < 0 or (self.step_s is not None and self.step_s < 0):
+            raise ValueError(f"alpha and hit_rate must be in [0, 1], costs >= 0, got {self}")
 
     @property
     def placement(self) -> Placement | None:
         return self.profile.placement if self.profile is not None else None
 
+    @property
+    def device(self) -> str:
+        """Where its drafting computes, as overlap.decide compares devices. A worker on
+        the CPU has cores of its own (drafter.cpus), so it never shares the engine's;
+        a worker on an accelerator shares that device with anything else on it."""
+        where = self.profile.placement.device if self.profile is not None else "cpu"
+        return "worker:cpu" if self.process == "worker" and where.lower() == "cpu" else where
+
     def draft_curve(self) -> CostCurve:
-        per_token = self.profile.decode_s if self.profile is not None else 0.0
+        per_token = self.step_s if self.step_s is not None else \
+            self.profile.decode_s if self.profile is not None else 0.0
         return CostCurve.affine(self.round_s, per_token)
 
     def prefill_s(self, prompt_tokens: int) -> float:
-        """A draft model reads the prompt too (in its first round); n-gram: nothing."""
-        return self.profile.prefill(prompt_tokens) if self.profile is not None else 0.0
+        """A draft model (or stage) reads the prompt too, in its first round; a head
+        reads the target's hidden states and a lookup nothing: 0."""
+        return self.profile.prefill(prompt_tokens) if self.kind in ("model", "cascade") or \
+            (self.kind == "hybrid" and self.via == "model") else 0.0
 
     def __str__(self) -> str:
-        return "ngram" if self.profile is None else f"model@{self.placement}"
+        at = f"@{self.placement}" if self.placement is not None else ""
+        name = {"hybrid": f"hybrid(suffix+{self.via}){at}", "cascade": f"cascade({self.via}>stage{at})"}.get(
+            self.kind, f"{self.kind}{at}")
+        return f"{name}[worker]" if self.process == "worker" else name
 
 
-def round_cost(draft: DraftOption | None, target: DeviceProfile) -> RoundCost:
+def round_cost(draft: DraftOption | None, target: DeviceProfile, overlap: bool = False) -> RoundCost:
     if draft is None:
         return RoundCost(target.verify)
-    return RoundCost(target.verify, draft.draft_curve())
+    return RoundCost(target.verify, draft.draft_curve(), link=draft.link_s, overlap=overlap)
 
 
 @dataclass(frozen=True)

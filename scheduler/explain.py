@@ -5,18 +5,29 @@ imports this module.
 """
 from __future__ import annotations
 
-COLUMNS = ("rank", "target", "drafter", "k", "alpha", "tok/round", "round ms", "decode tok/s", "tok/s")
+COLUMNS = ("rank", "target", "drafter", "k", "alpha", "draft ms", "verify ms", "overlap", "tok/round", "round ms",
+           "decode tok/s", "tok/s")
 
 
-def _row(rank: int, c) -> tuple[str, ...]:
+def _overlap_cell(c) -> str:
+    """yes: pre-drafted during the verify; serial: the pair could but does not overlap; -: no drafter."""
+    if c.k == 0 or c.option is None:
+        return "-"
+    return "yes" if c.overlap.on else "serial"
+
+
+def _row(plan, rank: int, c) -> tuple[str, ...]:
     alpha = "-" if c.alpha is None else f"{c.alpha:.2f}"
-    return (str(rank), str(c.target), c.drafter_label, str(c.k), alpha, f"{c.tokens_per_round:.2f}",
-            f"{c.round_s * 1e3:.2f}", f"{c.decode_tokens_per_s:.1f}", f"{c.tokens_per_s:.1f}")
+    cost = plan.round_cost(c)  # the measured curves the round is priced from
+    draft = "-" if c.k == 0 else f"{cost.draft(c.k) * 1e3:.2f}"
+    return (str(rank), str(c.target), c.drafter_label, str(c.k), alpha, draft, f"{cost.verify(c.k + 1) * 1e3:.2f}",
+            _overlap_cell(c), f"{c.tokens_per_round:.2f}", f"{c.round_s * 1e3:.2f}",
+            f"{c.decode_tokens_per_s:.1f}", f"{c.tokens_per_s:.1f}")
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    left = {1, 2}  # placements read better left-aligned
+    left = {1, 2, 7}  # placements (and the overlap word) read better left-aligned
     return ["  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in
                       enumerate(zip(row, widths))).rstrip() for row in rows]
 
@@ -45,6 +56,24 @@ def _why(plan) -> list[str]:
     return lines
 
 
+def _overlap_lines(plan) -> list[str]:
+    """The chosen plan's overlap and why (overlap.decide's sentence); where it
+    overlaps, what the verify hides; where a faster-looking pair could not overlap
+    because it shares a device, that it runs serially."""
+    spec = plan.best if plan.best.k > 0 else plan.speculative_for(plan.best.target)
+    if spec is None:
+        return []
+    lines = [f"overlap: {'on' if spec.overlap.on else 'serial'}: {spec.overlap.why}"]
+    if spec.overlap.on:
+        cost = plan.round_cost(spec)
+        verify, predraft = cost.verify(spec.k + 1), cost.draft(spec.k + 1)
+        hidden = min(predraft, verify) / predraft if predraft > 0 else 1.0
+        lines.append(f"overlap: the pre-draft of {spec.k + 1} tokens takes {predraft * 1e3:.2f} ms beside a "
+                     f"{verify * 1e3:.2f} ms verify ({hidden:.0%} hidden); a round whose drafts all hold "
+                     f"(alpha^(k+1) = {spec.alpha ** (spec.k + 1):.2f}) finds the next drafts ready")
+    return lines
+
+
 def explain(plan) -> str:
     p = plan.problem
     alphas = sorted({(d.kind, d.alpha) for d in p.drafters})
@@ -57,10 +86,14 @@ def explain(plan) -> str:
             + (str(p.k_max) if p.constraints.k is None else f"{p.constraints.k} (fixed)")
             + ("; " + f"per request: {p.workload.prompt_tokens} prompt + {p.workload.new_tokens} new tokens "
                "(tok/s includes prefill)" if p.workload else "; tok/s = steady-state decoding")]
-    rows = [COLUMNS] + [_row(i + 1, c) for i, c in enumerate(plan.ranked)]
+    rows = [COLUMNS] + [_row(plan, i + 1, c) for i, c in enumerate(plan.ranked)]
     body = _table(rows)
     tail = [f"why: {line}" for line in _why(plan)]
+    tail += _overlap_lines(plan)
     tail += [f"excluded: {what} ({why})" for what, why in plan.excluded]
+    tail += [f"not planned: {kind} ({why})" for kind, why in p.unplanned]
+    tail += [f"estimated: {c.drafter_label}'s draft step is an estimate, not a measurement"
+             for c in plan.ranked if c.option is not None and c.option.estimated][:1]
     tail.append(f"search: {plan.evaluated} of {plan.exhaustive} (placement, k) points evaluated; "
                 "branch and bound on k gives the same choice as trying all")
     return "\n".join(head + body + tail)

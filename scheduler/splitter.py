@@ -12,22 +12,30 @@ The search: for each (drafter, target) pair the best k comes from the cost
 model's branch and bound (equal to trying every k, fewer evaluations);
 target-only (k = 0) is one candidate per target. Ties are broken, in order,
 by the smaller k (less work for the same speed), drafter kind (none, ngram,
-model), then the target's and the draft's placement labels, so a plan is a
-pure function of its inputs.
+suffix, model, head, hybrid, cascade), in-process before a worker, then the
+target's and the draft's placement labels, so a plan is a pure function of its
+inputs.
+
+The overlap: for each (drafter, target) pair, overlap.decide says whether the
+engine will pre-draft round r+1 during round r's verify (the target's runner is
+asynchronous and the drafter computes elsewhere); the pair's rounds are then
+priced by overlap.round_seconds, so a CPU draft beside a GPU target is charged
+only for the drafting the verify does not hide.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Iterable, Literal
+from dataclasses import dataclass, field, replace
+from typing import Iterable
 
 from hetero_sd.ir.errors import BackendError, ConfigError
 from hetero_sd.scheduler.acceptance import AcceptanceTracker
-from hetero_sd.scheduler.cost_model import (DeviceProfile, DraftOption, Placement, RoundCost, Workload,
-                                            round_cost, tokens_per_round)
+from hetero_sd.scheduler.cost_model import (DRAFT_KINDS, DeviceProfile, DraftOption, Placement, RoundCost,
+                                            Workload, round_cost, tokens_per_round)
 from hetero_sd.scheduler.draft_length import AdaptiveDraftLength
 from hetero_sd.scheduler.explain import explain
+from hetero_sd.scheduler.overlap import OverlapDecision, OverlapMode, decide
 
-KIND_ORDER = {"none": 0, "ngram": 1, "model": 2}
+KIND_ORDER = {"none": 0, **{kind: i + 1 for i, kind in enumerate(DRAFT_KINDS)}}
 
 
 def matches(fixed: Placement | None, place: Placement) -> bool:
@@ -46,7 +54,7 @@ class Constraints:
     """What the user fixed, and what broke. None / "auto" fields are free."""
 
     target: Placement | None = None
-    drafter: Literal["none", "ngram", "model"] | None = None
+    drafter: str | None = None  # "none" or one of cost_model.DRAFT_KINDS
     draft_placement: Placement | None = None  # where the draft model must run
     k: int | None = None  # a fixed k >= 1; None: the splitter picks 0..k_max
     failed: frozenset[str] = frozenset()  # device keys ("backend:device") not to use
@@ -60,12 +68,16 @@ class Problem:
     k_max: int = 8
     constraints: Constraints = Constraints()
     workload: Workload | None = None  # None: rank by steady-state decode tokens/s
+    overlap: OverlapMode = "auto"  # scheduler.overlap
+    # drafter kinds that could not be offered, with why (a head with no trained head):
+    # explain() lists them, so no kind is dropped silently
+    unplanned: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
 class Candidate:
     target: Placement
-    drafter: Literal["none", "ngram", "model"]
+    drafter: str  # "none" or one of cost_model.DRAFT_KINDS
     draft_placement: Placement | None
     k: int
     alpha: float | None
@@ -73,6 +85,8 @@ class Candidate:
     round_s: float
     decode_tokens_per_s: float
     tokens_per_s: float  # end to end under the workload (else = decode_tokens_per_s)
+    option: DraftOption | None = field(default=None, compare=False, repr=False)  # None: target-only
+    overlap: OverlapDecision = OverlapDecision(False, "target-only: nothing to overlap")
 
     @property
     def devices(self) -> frozenset[str]:
@@ -85,11 +99,17 @@ class Candidate:
     def drafter_label(self) -> str:
         if self.drafter == "none":
             return "target-only"
-        return self.drafter if self.draft_placement is None else f"model@{self.draft_placement}"
+        if self.option is not None:
+            return str(self.option)
+        return self.drafter if self.draft_placement is None else f"{self.drafter}@{self.draft_placement}"
+
+    @property
+    def process(self) -> str:
+        return self.option.process if self.option is not None else "inproc"
 
     def sort_key(self) -> tuple:
-        return (-self.tokens_per_s, self.k, KIND_ORDER[self.drafter], str(self.target),
-                str(self.draft_placement or ""))
+        return (-self.tokens_per_s, self.k, KIND_ORDER[self.drafter], self.process != "inproc", str(self.target),
+                str(self.draft_placement or ""), self.drafter_label)
 
 
 @dataclass(frozen=True)
@@ -114,9 +134,7 @@ class Plan:
         the prior of an AdaptiveDraftLength."""
         c = candidate or self.best
         target = next(t for t in self.problem.targets if t.placement == c.target)
-        draft = None if c.drafter == "none" else next(
-            d for d in self.problem.drafters if d.kind == c.drafter and d.placement == c.draft_placement)
-        return round_cost(draft, target)
+        return round_cost(c.option, target, c.overlap.on)
 
     def adaptive_policy(self):
         """An AdaptiveDraftLength for the drafter this plan runs (the best
@@ -164,7 +182,7 @@ def _usable_drafters(problem: Problem, excluded: list) -> list[DraftOption]:
 
 
 def _candidate(problem: Problem, target: DeviceProfile, draft: DraftOption | None, cost: RoundCost,
-               k: int, rate: float) -> Candidate:
+               k: int, rate: float, decision: OverlapDecision | None = None) -> Candidate:
     hit = draft.hit_rate if draft is not None else 1.0
     alpha = draft.alpha if draft is not None else None
     total = rate
@@ -175,7 +193,20 @@ def _candidate(problem: Problem, target: DeviceProfile, draft: DraftOption | Non
         total = problem.workload.tokens_per_s(rate, prefill)
     return Candidate(target.placement, draft.kind if draft is not None else "none",
                      draft.placement if draft is not None else None, k, alpha,
-                     tokens_per_round(alpha or 0.0, k, hit), cost.seconds(k, hit), rate, total)
+                     tokens_per_round(alpha or 0.0, k, hit), cost.seconds(k, hit, alpha), rate, total,
+                     draft, decision or Candidate.overlap)
+
+
+def pairs_with(draft: DraftOption, target: DeviceProfile) -> bool:
+    """A head (or a hybrid over one) rides on its target's placement: it reads the
+    target's hidden states in the target's process, so it pairs with that target only."""
+    rides = draft.kind == "head" or (draft.kind == "hybrid" and draft.via == "head")
+    return not rides or draft.placement == target.placement
+
+
+def overlap_for(problem: Problem, target: DeviceProfile, draft: DraftOption) -> OverlapDecision:
+    """What the engine will do for this pair (overlap.decide, the rule the engine uses)."""
+    return decide(problem.overlap, target.placement.device, target.asynchronous, draft.device, draft.predrafts)
 
 
 def plan(problem: Problem) -> Plan:
@@ -192,11 +223,12 @@ def plan(problem: Problem) -> Plan:
             cost = round_cost(None, target)
             out.append(_candidate(problem, target, None, cost, 0, cost.rate(1.0, 0)))
             evaluated, exhaustive = evaluated + 1, exhaustive + 1
-        for draft in drafters:
-            cost = round_cost(draft, target)
+        for draft in (d for d in drafters if pairs_with(d, target)):
+            decision = overlap_for(problem, target, draft)
+            cost = round_cost(draft, target, decision.on)
             lo, hi = (1, problem.k_max) if c.k is None else (c.k, c.k)
             k, rate, n = cost.best_k(draft.alpha, hi, draft.hit_rate, k_min=lo)
-            out.append(_candidate(problem, target, draft, cost, k, rate))
+            out.append(_candidate(problem, target, draft, cost, k, rate, decision))
             evaluated, exhaustive = evaluated + n, exhaustive + hi - lo + 1
     if not out:
         _raise_empty(problem, excluded)
@@ -218,7 +250,8 @@ def _raise_empty(problem: Problem, excluded: list) -> None:
 def replan(previous: Plan, failed: str | Iterable[str] = (), acceptance: dict[str, float] | None = None,
            keep_target: bool = False) -> Plan:
     """Plan again with more failed devices and/or new acceptance estimates
-    ({"ngram": 0.3, "model": 0.8}: every option of that kind takes it).
+    ({"ngram": 0.3, "model": 0.8}: every option of that kind takes it; any kind of
+    cost_model.DRAFT_KINDS).
 
     keep_target pins the target to the previous best's placement unless that
     device failed: mid-generation, moving the target costs a re-prefill and,
@@ -232,9 +265,10 @@ def replan(previous: Plan, failed: str | Iterable[str] = (), acceptance: dict[st
         cons = replace(cons, target=previous.best.target)
     problem = replace(problem, constraints=cons)
     if acceptance:
-        unknown = set(acceptance) - {"ngram", "model"}
+        unknown = set(acceptance) - set(DRAFT_KINDS)
         if unknown:
-            raise ValueError(f"acceptance keys must be 'ngram' or 'model', got {sorted(unknown)}")
+            raise ValueError(f"acceptance keys must be drafter kinds ({', '.join(DRAFT_KINDS)}), "
+                             f"got {sorted(unknown)}")
         problem = replace(problem, drafters=tuple(
             replace(d, alpha=acceptance[d.kind]) if d.kind in acceptance else d for d in problem.drafters))
     return plan(problem)
