@@ -61,7 +61,7 @@ def _hybrids(alpha: dict, heads, models, lookup_s: float) -> list[DraftOption]:
             for o in (*heads, *models)]
 
 
-def _step(option: DraftOption, stage: DeviceProfile, alpha: float, k_max: int) -> float:
+def _step(option: DraftOption, stage: DeviceProfile, k_max: int) -> float:
     """Seconds per token of a stage decoding speculatively with `option` drafting for it."""
     _, rate, _ = RoundCost(stage.verify, option.draft_curve()).best_k(option.alpha, k_max, option.hit_rate, 1)
     return 1.0 / rate
@@ -75,10 +75,10 @@ def _cascades(alpha: dict, inner: list[DraftOption], stages, k_max: int) -> list
     levels = list(reversed(stages))  # innermost first
     best = inner
     for profiles in levels[:-1]:
-        options = [DraftOption("cascade", alpha["model"], p, step_s=_step(o, p, alpha["model"], k_max), via=str(o))
+        options = [DraftOption("cascade", alpha["model"], p, step_s=_step(o, p, k_max), via=str(o))
                    for p in profiles for o in best]
         best = [min(options, key=lambda o: o.step_s)] if options else []
-    return [DraftOption("cascade", alpha["model"], p, step_s=_step(o, p, alpha["model"], k_max), via=str(o))
+    return [DraftOption("cascade", alpha["model"], p, step_s=_step(o, p, k_max), via=str(o))
             for p in levels[-1] for o in best]
 
 
