@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hetero_sd.auto import plan_engine
 from hetero_sd.backends.registry import discover
+from hetero_sd.backends.threaded import ThreadedRunner
 from hetero_sd.cluster.placing import ray_worker, release_places, reserve_places
 from hetero_sd.config import Config
 from hetero_sd.drafting.base import Drafter
@@ -88,6 +89,9 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
         spec = spec_from_config(cfg, target_only=target_only)
         policy = AdaptiveDraftLength(spec.k_max) if spec.k == "auto" else FixedDraftLength(spec.k)
     built = build(spec, load)
+    if cfg.scheduler.overlap == "on" and isinstance(spec.drafter, WorkerSpec) and not built.target.asynchronous:
+        # the worker drafts on its own cores while this process's runtime verifies on a thread
+        built.target = ThreadedRunner(built.target)
     gen = cfg.generation
     # No re-planner without a drafter: re-planning only swaps drafters (a target failover stays).
     replanner = None if target_only else fallback
