@@ -44,9 +44,13 @@ class ModelPlacement(_Section):
 Process = Literal["inproc", "worker", "ray"]
 Transport = Literal["shm", "tcp", "pipe"]
 Mode = Literal["sync", "async"]  # async: the worker drafts ahead while the target verifies
+# where a worker's draft rows travel: the shm host arena, or CUDA IPC buffers on the drafter's GPU
+# (hetero_sd/transport/planes.py); auto: the host arena (the engine verifies on the host today)
+DataPlane = Literal["auto", "host", "cuda_ipc"]
 Seconds = Annotated[float, Field(gt=0)]
-WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads", "cpus")  # need process: worker
-LOCAL_ONLY_KEYS = ("transport", "cpus")  # of those, meaningless for a Ray actor
+WORKER_KEYS = ("transport", "mode", "timeout_s", "start_timeout_s", "threads", "cpus",
+               "data_plane")  # need process: worker
+LOCAL_ONLY_KEYS = ("transport", "cpus", "data_plane")  # of those, meaningless for a Ray actor
 CPUs = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 SUFFIX_KINDS = ("suffix", "hybrid")  # the drafter kinds the suffix_* keys configure
 # drafter keys that configure some kinds only: set under another kind, they are an error
@@ -71,6 +75,7 @@ class StageConfig(_Section):
     k: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | None = None  # inner drafts per stage verify
     process: Process = "inproc"
     transport: Transport = "shm"
+    data_plane: DataPlane = "auto"
     mode: Mode = "sync"
     timeout_s: Seconds = 5.0
     start_timeout_s: Seconds = 300.0
@@ -117,6 +122,7 @@ class DrafterConfig(_Section):
     # In its own process? (worker: every key below applies; stages inside it share the worker.)
     process: Process = "inproc"
     transport: Transport = "shm"
+    data_plane: DataPlane = "auto"
     mode: Mode = "sync"
     timeout_s: Seconds = 5.0  # a reply slower than this means a hung worker (it is killed)
     start_timeout_s: Seconds = 300.0  # the same for its start and first draft (model load)

@@ -94,7 +94,8 @@ def spec_from_config(cfg: Config, target_only: bool = False) -> EngineSpec:
                                      level.threads, ray=ray_placement(level.ray, cluster_keys(cfg)))
             elif j == worker:
                 drafter = WorkerSpec(drafter, level.transport, level.mode, level.timeout_s, level.start_timeout_s,
-                                     level.threads, tuple(level.cpus) if level.cpus else None)
+                                     level.threads, tuple(level.cpus) if level.cpus else None,
+                                     data_plane=level.data_plane)
     target = placed(cfg, cfg.target, "target")
     features = head_features(drafter)
     if features:  # the head reads these layers of the target: its runner returns them

@@ -76,7 +76,7 @@ def build_drafter(spec: DrafterSpec, target_vocab: int, load: Callable | None = 
     if isinstance(spec, WorkerSpec):
         return RemoteDrafter(spec.inner, target_vocab, entry=worker_entry(), transport=spec.transport,
                              mode=spec.mode, timeout_s=spec.timeout_s, start_timeout_s=spec.start_timeout_s,
-                             threads=spec.threads, cpu=spec.cpus, ray=spec.ray)
+                             threads=spec.threads, cpu=spec.cpus, ray=spec.ray, data_plane=spec.data_plane)
     raise TypeError(f"not a drafter spec: {spec!r}")
 
 

@@ -55,20 +55,22 @@ class IpcOwnerGone(TransportError):
 
 
 def choose_plane(requested: str, devices, transport: str, cuda_available: Callable[[], bool]) -> str:
-    """The plane a worker uses. auto: cuda_ipc where the drafter sits on a CUDA device,
-    torch sees CUDA, and the target is on the same host (the shm transport); host otherwise."""
+    """The plane a worker uses. auto: the host arena. The engine verifies draft rows on the
+    host today, so rows through CUDA IPC would cross to the device in the worker and back in
+    the engine: more copies than the arena's one. cuda_ipc: where the drafter sits on a CUDA
+    device, torch sees CUDA, and the target is on the same host (the shm transport)."""
     if requested not in PLANES + (STAND_IN,):
         raise TransportError(f"data plane {requested!r} is not one of {', '.join(PLANES)}")
-    on_cuda = any(str(d).startswith("cuda") for d in devices)
-    if requested == "host" or (requested == "auto" and not (on_cuda and transport == "shm")):
+    if requested in ("host", "auto"):
         return "host"
+    if requested == "cuda_ipc" and not any(str(d).startswith("cuda") for d in devices):
+        raise TransportError(f"data plane cuda_ipc needs a drafter on a CUDA device; it runs on "
+                             f"{', '.join(map(str, devices)) or 'no device'}")
     if transport != "shm":
         raise TransportError(f"data plane {requested} needs the shm transport (one host); got {transport}")
     if requested == STAND_IN:
         return STAND_IN
     if not cuda_available():
-        if requested == "auto":
-            return "host"
         raise TransportError("data plane cuda_ipc needs CUDA, and torch sees no CUDA device here")
     return "cuda_ipc"
 

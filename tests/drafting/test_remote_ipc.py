@@ -132,3 +132,18 @@ def test_a_dead_owners_buffer_drops_the_drafter_and_keeps_the_output(target, pat
     assert len(failures) == 1 and "IpcOwnerGone" in failures[0] and "process" in failures[0], got.stats.events
     assert len(got.token_ids) == 20  # the request went on without the drafter, target-only
     assert rows == [] and drafter.stats.failures == 1 and drafter.pid is None
+
+
+def test_the_yaml_key_reaches_the_worker(tmp_path):
+    """drafter.data_plane is a worker key: it reaches the WorkerSpec, and without
+    process: worker it is refused, naming itself."""
+    from hetero_sd.config import load_config
+    from hetero_sd.errors import ConfigError
+    from hetero_sd.spec import spec_from_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("drafter: {kind: ngram, process: worker, data_plane: host}\n")
+    assert spec_from_config(load_config(path)).drafter.data_plane == "host"
+    path.write_text("drafter: {kind: ngram, data_plane: cuda_ipc}\n")
+    with pytest.raises(ConfigError, match="data_plane"):
+        load_config(path)

@@ -161,7 +161,11 @@ def test_the_plane_choice():
     assert choose_plane("auto", ["cpu"], "shm", yes) == "host"  # a CPU drafter
     assert choose_plane("auto", ["cuda:0"], "shm", no) == "host"  # torch sees no CUDA
     assert choose_plane("auto", ["cuda:0"], "tcp", yes) == "host"  # not the same host
-    assert choose_plane("auto", ["cpu", "cuda:1"], "shm", yes) == "cuda_ipc"
+    # auto keeps the arena even on a GPU: the engine verifies rows on the host today
+    assert choose_plane("auto", ["cpu", "cuda:1"], "shm", yes) == "host"
+    assert choose_plane("cuda_ipc", ["cpu", "cuda:1"], "shm", yes) == "cuda_ipc"
+    with pytest.raises(TransportError, match="drafter on a CUDA device"):
+        choose_plane("cuda_ipc", ["cpu"], "shm", yes)
     assert choose_plane("host", ["cuda:0"], "shm", yes) == "host"
     with pytest.raises(TransportError, match="needs CUDA"):
         choose_plane("cuda_ipc", ["cuda:0"], "shm", no)
@@ -175,4 +179,4 @@ def test_the_plane_choice():
         with pytest.raises(ConfigError, match="needs CUDA"):
             resolve("cuda_ipc", ["cuda:0"], "shm")
     else:
-        assert resolve("auto", ["cuda:1"], "shm") == ("cuda_ipc", "cuda:1")
+        assert resolve("cuda_ipc", ["cuda:1"], "shm") == ("cuda_ipc", "cuda:1")
