@@ -56,18 +56,21 @@ def _write_now(text: str) -> None:
 
 
 def _explain(engine, cfg, target_only: bool = False) -> str:
+    # what the engine does, whatever planned it: drafting during the verify or serially, and why
+    overlap = "" if target_only or engine.drafter is None else \
+        f"\noverlap: {'on' if engine.overlap().on else 'serial'}: {engine.overlap().why}"
     if engine.plan is not None:
         text = engine.plan.explain()
         if target_only:
             text += (f"\n--target-only: {engine.plan.best.target} alone, the target the plan verifies on "
                      "(its drafter is not built), so the output is what the speculative run must equal")
-        return text
+        return text  # (the plan's own overlap line says what the engine does)
     from hetero_sd.cluster.explain import explain_cluster
 
     k = cfg.drafter.k if isinstance(cfg.drafter.k, int) else cfg.drafter.k_max
     across = explain_cluster(engine, k, sampled=not cfg.generation.sampling().greedy)
-    return across or ("placement: manual (the config fixes every placement; set placement: auto to let "
-                      "the splitter choose)")
+    return (across or ("placement: manual (the config fixes every placement; set placement: auto to let "
+                       "the splitter choose)")) + overlap
 
 
 def _constraint(args):

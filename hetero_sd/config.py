@@ -226,6 +226,12 @@ class SchedulerConfig(_Section):
     # (lossless, but faster only where the two devices run at once); off: never.
     overlap: Literal["auto", "on", "off"] = "auto"
 
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value):
+        """YAML reads a bare on / off as true / false."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class Config(_Section):
     # manual: run where target/drafter say. auto: profile this host (cached) and let the

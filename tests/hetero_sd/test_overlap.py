@@ -214,3 +214,16 @@ def test_ngram_rollback_undoes_its_index():
         a = rolled.draft(DraftRequest(0, 40 - cut % 7, 4, keep[40 - cut % 7:], context=keep))
         b = fresh.draft(DraftRequest(0, 0, 4, keep, context=keep))
         assert a.tokens == b.tokens and rolled._index == fresh._index, cut
+
+
+@pytest.mark.parametrize("overlap, says", [("off", "overlap: serial: scheduler.overlap is off"),
+                                           ("auto", "overlap: serial: the target's runner on cpu is synchronous"),
+                                           ("on", "overlap: on: scheduler.overlap is on")])
+def test_explain_says_whether_rounds_overlap(tiny_model_dir, tmp_path, capsys, overlap, says):
+    from hetero_sd.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"target: {{model: {tiny_model_dir('llama')}, backend: torch}}\n"
+                    f"drafter: {{kind: ngram}}\nscheduler: {{overlap: {overlap}}}\n")
+    assert main(["generate", "--config", str(path), "--prompt", "hi", "-n", "4", "--explain"]) == 0
+    assert says in capsys.readouterr().err
