@@ -247,9 +247,9 @@ class Runner(ABC):
         """Optional: free what this process's exit would not (a remote actor)."""
 
 
-class RequiredOnly(Runner):
-    """An API version 1 backend's runner: the required methods, no optional capability
-    (version 1 had no way to declare one)."""
+class Wrapping(Runner):
+    """A runner around another (`inner`): the required calls go to it unchanged; a
+    subclass changes what it wraps them for."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -276,6 +276,11 @@ class RequiredOnly(Runner):
 
     def usage(self):
         return self.inner.usage()
+
+
+class RequiredOnly(Wrapping):
+    """An API version 1 backend's runner: the required methods, no optional capability
+    (version 1 had no way to declare one)."""
 
 
 def run_batch(runner: Runner, items: Sequence[BatchItem]) -> list[np.ndarray]:

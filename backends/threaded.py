@@ -14,16 +14,14 @@ from typing import Sequence
 
 import numpy as np
 
-from hetero_sd.backends.base import BatchItem, DeviceQueue, Pending, PoolUsage, Runner
+from hetero_sd.backends.base import BatchItem, DeviceQueue, Pending, Runner, Wrapping
 
 
-class ThreadedRunner(Runner):
+class ThreadedRunner(Wrapping):
     asynchronous = True
 
     def __init__(self, inner: Runner):
-        self.inner = inner
-        self.device, self.precision = inner.device, inner.precision
-        self.vocab_size, self.max_context = inner.vocab_size, inner.max_context
+        super().__init__(inner)
         self.max_batch, self.feature_layers = inner.max_batch, inner.feature_layers
         self.can_copy_prefix, self.location = inner.can_copy_prefix, inner.location
         self.kernel_choice, self.pads_single_row = inner.kernel_choice, inner.pads_single_row
@@ -34,29 +32,8 @@ class ThreadedRunner(Runner):
         call = self.inner.greedy if greedy else self.inner.forward
         return self._queue.submit(call, seq_id, list(tokens), start, num_logits)
 
-    def allocate(self, capacity: int) -> int:
-        return self.inner.allocate(capacity)
-
-    def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
-        return self.inner.forward(seq_id, tokens, start, num_logits)
-
-    def greedy(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> list[int]:
-        return self.inner.greedy(seq_id, tokens, start, num_logits)
-
     def forward_batch(self, items: Sequence[BatchItem]) -> list[np.ndarray]:
         return self.inner.forward_batch(items)
-
-    def truncate(self, seq_id: int, length: int) -> None:
-        self.inner.truncate(seq_id, length)
-
-    def length(self, seq_id: int) -> int:
-        return self.inner.length(seq_id)
-
-    def release(self, seq_id: int) -> None:
-        self.inner.release(seq_id)
-
-    def usage(self) -> PoolUsage:
-        return self.inner.usage()
 
     def take_features(self, seq_id: int):
         return self.inner.take_features(seq_id)

@@ -36,7 +36,7 @@ from helpers.tiny_models import make_hf_model, random_prompt  # noqa: E402
 
 from hetero_sd.engine import Engine  # noqa: E402
 from hetero_sd.ir import load_model_ir  # noqa: E402
-from hetero_sd.testing.controlled import ControlledDrafter  # noqa: E402
+from hetero_sd.testing.controlled import serial_and_overlapped  # noqa: E402
 from hetero_sd.testing.fake_backend import FakeBackend, FakeCosts, FakeDeviceSpec  # noqa: E402
 
 
@@ -47,9 +47,8 @@ def _target(model_dir: Path, verify_s: float):
     return backend.load(load_model_ir(model_dir), "fake:0", "fp32", 8 << 20)
 
 
-def _run(target, drafter, prompt, n, overlap, k=1):
-    engine = Engine(target, drafter, k=k, overlap=overlap)
-    return engine.generate_ids(prompt, n, target_only=drafter is None)
+def _alone(target, prompt, n):
+    return Engine(target, None).generate_ids(prompt, n, target_only=True)
 
 
 def measure(verify_ms: float, steps_ms: list[float], alphas: list[float], tokens: int) -> list[dict]:
@@ -57,7 +56,7 @@ def measure(verify_ms: float, steps_ms: list[float], alphas: list[float], tokens
         model = make_hf_model(Path(tmp) / "tiny", "llama", seed=0)
         target = _target(model, verify_ms / 1e3)
         prompt = random_prompt(16, seed=3)
-        alone = _run(target, None, prompt, tokens, "off")
+        alone = _alone(target, prompt, tokens)
         oracle = alone.token_ids
         rows = []
         for step in steps_ms:
@@ -65,16 +64,9 @@ def measure(verify_ms: float, steps_ms: list[float], alphas: list[float], tokens
             for a in alphas:
                 row = {"verify_ms": verify_ms, "step_ms": step, "k": k, "a": a,
                        "target_only_tok_s": alone.stats.tokens_per_s}
-                for name, overlap in (("serial", "off"), ("overlap", "auto")):
-                    drafter = ControlledDrafter(prompt, oracle, target.vocab_size, a, step / 1e3)
-                    res = _run(target, drafter, prompt, tokens, overlap, k)
-                    if res.token_ids != oracle:
-                        raise SystemExit(f"LOSSLESS VIOLATION: {name} a={a} step={step}")
-                    st = res.stats
-                    row[f"{name}_tok_s"] = st.tokens_per_s
-                    row[f"{name}_hidden"] = st.hidden_share
-                    row[f"{name}_hits"] = st.predraft_hits / st.rounds if st.rounds else 0.0
-                    row[f"{name}_acceptance"] = st.acceptance_rate
+                row.update(serial_and_overlapped(target, prompt, oracle, a, step / 1e3, k))
+                if not (row["serial_lossless"] and row["overlap_lossless"]):
+                    raise SystemExit(f"LOSSLESS VIOLATION: a={a} step={step}")
                 row["overlap_over_serial"] = row["overlap_tok_s"] / row["serial_tok_s"]
                 row["overlap_over_target"] = row["overlap_tok_s"] / row["target_only_tok_s"]
                 rows.append(row)

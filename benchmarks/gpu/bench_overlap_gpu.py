@@ -28,7 +28,7 @@ import torch
 
 from hetero_sd.backends.cuda.backend import CudaBackend
 from hetero_sd.engine import Engine
-from hetero_sd.testing.controlled import ControlledDrafter
+from hetero_sd.testing.controlled import serial_and_overlapped
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda import random_model  # noqa: E402
@@ -42,15 +42,7 @@ def rows(runner, vocab: int, alphas, steps_ms, k: int, new: int, overlap: str) -
     for step in steps_ms:
         for a in alphas:
             row = {"a": a, "step_ms": step, "k": k, "target_only_tok_s": alone.stats.tokens_per_s}
-            for name, mode in (("serial", "off"), ("overlap", overlap)):
-                drafter = ControlledDrafter(prompt, alone.token_ids, vocab, a, step / 1e3)
-                res = Engine(runner, drafter, k=k, overlap=mode).generate_ids(prompt, new)
-                st = res.stats
-                row[f"{name}_lossless"] = res.token_ids == alone.token_ids
-                row[f"{name}_tok_s"] = st.tokens_per_s
-                row[f"{name}_hidden"] = st.hidden_share
-                row[f"{name}_hits"] = st.predraft_hits / st.rounds if st.rounds else 0.0
-                row[f"{name}_acceptance"] = st.acceptance_rate
+            row.update(serial_and_overlapped(runner, prompt, alone.token_ids, a, step / 1e3, k, overlap))
             row["serial_speedup"] = row["serial_tok_s"] / row["target_only_tok_s"]
             row["overlap_speedup"] = row["overlap_tok_s"] / row["target_only_tok_s"]
             out.append(row)

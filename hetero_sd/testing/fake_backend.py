@@ -49,7 +49,8 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetero_sd.backends.base import API_VERSION, DeviceInfo, DeviceQueue, Pending, PoolUsage, PrecisionInfo, Runner, resolve
+from hetero_sd.backends.base import (API_VERSION, DeviceInfo, DeviceQueue, Pending, PrecisionInfo, Runner, Wrapping,
+                                      resolve)
 from hetero_sd.backends.options import DEFAULT as DEFAULT_OPTIONS, BackendOptions
 from hetero_sd.ir.errors import BackendError, ConfigError
 from hetero_sd.ir.model import ModelIR
@@ -307,16 +308,15 @@ class FakeBackend:
         return self._inner[name]
 
 
-class FakeRunner(Runner):
+class FakeRunner(Wrapping):
     """A wrapped runner plus declared costs and injected failures. Pool methods
     (allocate, truncate, ...) delegate untouched, so truncate stays O(1); only
     forward/greedy are counted, timed and made to fail."""
 
     def __init__(self, inner: Runner, info: DeviceInfo, precision: PrecisionInfo, costs: FakeCosts,
                  failure: FakeFailure | None, simulate_time: bool, on_fire=None, asynchronous: bool = False):
-        self.inner = inner
+        super().__init__(inner)
         self.device, self.precision = info, precision
-        self.vocab_size, self.max_context = inner.vocab_size, inner.max_context
         self.simulate_time = simulate_time
         self.calls = 0  # forward/greedy calls so far, failed ones included
         self.failures = 0  # calls that failed as injected
@@ -339,21 +339,6 @@ class FakeRunner(Runner):
 
     def declared_costs(self) -> FakeCosts:
         return self._costs
-
-    def allocate(self, capacity: int) -> int:
-        return self.inner.allocate(capacity)
-
-    def truncate(self, seq_id: int, length: int) -> None:
-        self.inner.truncate(seq_id, length)
-
-    def length(self, seq_id: int) -> int:
-        return self.inner.length(seq_id)
-
-    def release(self, seq_id: int) -> None:
-        self.inner.release(seq_id)
-
-    def usage(self) -> PoolUsage:
-        return self.inner.usage()
 
     def forward(self, seq_id: int, tokens: Sequence[int], start: int, num_logits: int) -> np.ndarray:
         return self._call("forward", seq_id, tokens, start, num_logits)
