@@ -47,10 +47,12 @@ class KillAt(ProxyDrafter):
         return result
 
 
-def kill_at_random_points(target, drafter, runs: int, seed: int, after_run=lambda: None) -> None:
+def kill_at_random_points(target, drafter, runs: int, seed: int, after_run=lambda: None,
+                          overlap: str = "auto") -> None:
     """`runs` generations on `target` with `drafter`'s worker SIGKILLed at a random
     draft call each (before the request, or after the reply, alternately): every
-    output must equal the undisturbed run and report the failure in stats.events."""
+    output must equal the undisturbed run and report the failure in stats.events.
+    overlap: scheduler.overlap (on: pre-drafts during verifies are among the calls)."""
     import random
 
     from hetero_sd.engine import Engine
@@ -58,13 +60,13 @@ def kill_at_random_points(target, drafter, runs: int, seed: int, after_run=lambd
 
     prompt, new = random_prompt(10, seed=21), 40
     counter = KillAt(drafter, 0, after_reply=False)  # kills nothing: counts the run's draft calls
-    want = Engine(target, counter, k=3).generate_ids(prompt, new).token_ids
+    want = Engine(target, counter, k=3, overlap=overlap).generate_ids(prompt, new).token_ids
     assert want == Engine(target, None).generate_ids(prompt, new, target_only=True).token_ids
     assert counter.calls > 2
     rng = random.Random(seed)
     for run in range(runs):  # a later draft call always follows, and sees the death
         killer = KillAt(drafter, rng.randrange(1, counter.calls), after_reply=run % 2 == 1)
-        got = Engine(target, killer, k=3).generate_ids(prompt, new)
+        got = Engine(target, killer, k=3, overlap=overlap).generate_ids(prompt, new)
         assert got.token_ids == want, f"run {run}: output changed after the worker was killed"
         assert any("failed" in e for e in got.stats.events), (run, got.stats.events)
         after_run()

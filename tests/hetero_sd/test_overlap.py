@@ -170,6 +170,19 @@ def test_a_failure_inside_a_submitted_verify_loses_nothing(ir, after):
     assert got.token_ids == expected and any("target moved" in e for e in got.stats.events)
 
 
+def test_a_worker_killed_during_a_pre_draft_loses_nothing(ir):
+    """A drafter worker (its own process, shm) SIGKILLed at random draft calls, pre-drafts
+    during an asynchronous verify among them: every output equals the undisturbed run."""
+    from helpers.drafters import kill_at_random_points
+
+    target = _fake(ir)
+    drafter = remote(NgramSpec(1, 3), target.vocab_size, transport="shm")
+    try:
+        kill_at_random_points(target, drafter, runs=4, seed=5, overlap="on")
+    finally:
+        drafter.close()
+
+
 @pytest.mark.parametrize("draft", ["same", "other"])  # every draft accepted / most rejected
 @pytest.mark.parametrize("overlap", ["on", "off"])
 def test_rollback_across_devices_off_by_one(ir, tiny_model_dir, overlap, draft):
