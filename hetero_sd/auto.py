@@ -7,6 +7,13 @@ A field the YAML sets is pinned; one it leaves out (or sets to "auto") is the
 splitter's to choose. The profile behind the plan is measured once per host,
 model and precision and cached (hetero_sd/profiler.py), so only the first
 automatic run on a machine pays for it.
+
+Every drafter kind is planned and built: ngram, suffix, a draft model, a head
+(on its target's placement: it reads the target's hidden states), a hybrid, a
+cascade (drafter.stages, each stage pinned by the YAML or placed here) and a
+worker (drafter.process: worker, its keys kept from the YAML). The plan's choice
+is written back into a manual config (planned_config) that spec_from_config,
+the manual path's builder, turns into the spec.
 """
 from __future__ import annotations
 
@@ -14,20 +21,19 @@ from dataclasses import replace
 
 import sys
 
-from hetero_sd.assets import model_path
+from hetero_sd.assets import head_path, model_path
 from hetero_sd.backends.base import Runner
 from hetero_sd.config import Config
 from hetero_sd.drafting.build import build_for_target
-from hetero_sd.drafting.specs import ModelSpec, NgramSpec
+from hetero_sd.drafting.specs import ModelSpec
 from hetero_sd.errors import BackendError, ConfigError, ModelLoadError
 from hetero_sd.failover import where
 from hetero_sd.loading import Loader
-from hetero_sd.draft_options import KindInputs
+from hetero_sd.draft_options import KindInputs, head_fraction
 from hetero_sd.profiler import auto_plan
 from hetero_sd.scheduler import (AcceptanceTracker, Constraints, FixedDraftLength, Placement, Workload,
                                  replan, replan_if_drifted)
-from hetero_sd.options import config_options
-from hetero_sd.spec import EngineSpec, draft_min_prob, suffix_spec
+from hetero_sd.spec import head_features, spec_from_config
 
 
 def _pinned(section, load: Loader) -> Placement | None:
@@ -46,22 +52,95 @@ def _pinned(section, load: Loader) -> Placement | None:
     return Placement(backend, device, precision)
 
 
-# What plan_engine can build from a plan; the other kinds need placement: manual, which
-# load_config enforces (head, hybrid, drafter.stages, drafter.process: worker).
-BUILDABLE = frozenset({"ngram", "suffix", "model"})
-MANUAL_ONLY = (("head", "placement: auto builds ngram, suffix and model drafters; a head needs placement: "
-                        "manual (hetero-sd profile --explain prices it)"),
-               ("hybrid", "needs placement: manual, like the head it drafts with"),
-               ("cascade", "drafter.stages needs placement: manual"),
-               ("worker", "drafter.process: worker needs placement: manual"))
-
-
 def constraints(cfg: Config, load: Loader) -> Constraints:
+    """What the YAML fixes. With drafter.stages the kind is a cascade, its levels pinned
+    in KindInputs (kind_inputs); a head's placement is its target's (splitter.pairs_with),
+    so the drafter section's keys pin only a draft model (kind auto, model, hybrid over one)."""
     d = cfg.drafter
-    return Constraints(target=_pinned(cfg.target, load),
-                       drafter=None if d.kind == "auto" else d.kind,
-                       draft_placement=_pinned(d, load) if d.kind in ("auto", "model") else None,
+    kind = "cascade" if d.stages else None if d.kind == "auto" else d.kind
+    pins_model = not d.stages and (d.kind in ("auto", "model") or (d.kind == "hybrid" and d.hybrid_with == "model"))
+    return Constraints(target=_pinned(cfg.target, load), drafter=kind,
+                       draft_placement=_pinned(d, load) if pins_model else None,
                        k=None if d.k == "auto" else d.k)
+
+
+def _wants(cfg: Config, what: str) -> bool:
+    """Whether the drafter section may draft with a head or a draft model ("head", "model")."""
+    d = cfg.drafter
+    return d.kind in ("auto", what) or (d.kind == "hybrid" and d.hybrid_with == what) or \
+        (what == "model" and bool(d.stages) and d.kind in ("auto", "model"))
+
+
+def kind_inputs(cfg: Config, load: Loader, target_path: str) -> tuple[KindInputs, str | None]:
+    """(what the splitter may offer, the draft model's path or None). A head the config
+    names (kind head, hybrid over one) that cannot be found is the ConfigError head_path
+    raises; with kind auto it is a kind not planned, with why."""
+    d = cfg.drafter
+    fraction, no_head = None, "drafter.kind names no head"
+    if _wants(cfg, "head") and not d.stages:
+        try:
+            head_path(cfg)
+            fraction = head_fraction(load.ir(target_path).config.num_layers)
+        except ConfigError as exc:
+            if d.kind != "auto":
+                raise
+            no_head = f"no trained head: {exc}"
+    draft_path = model_path(cfg, d.model) if _wants(cfg, "model") else None
+    inner = (d.kind,) if d.kind in ("ngram", "suffix", "model") else ("ngram", "suffix", "model")
+    workers = any(level.process == "worker" for level in (d, *d.stages))
+    fixed = "cascade" if d.stages else None if d.kind == "auto" else d.kind  # (as constraints says)
+    return KindInputs(head_fraction=fraction, no_head=no_head, only_workers=workers, inner_kinds=inner,
+                      kinds=None if fixed is None else frozenset({fixed}),
+                      draft_pin=_pinned(d, load) if d.stages else None,
+                      stage_pins=tuple(_pinned(s, load) for s in d.stages)), draft_path
+
+
+def _head_runtime(cfg: Config, target: Placement) -> dict:
+    """Where a head computes beside its target: the drafter section's backend / device /
+    precision where a head kind sets them, else torch on the target's device where torch
+    can reach it (torch, cuda), onnxruntime beside an onnxruntime target, else torch on cpu."""
+    d = cfg.drafter
+    given = d.model_fields_set if d.kind in ("head", "hybrid") else set()
+
+    def key(name, default):
+        value = getattr(d, name)
+        return value if name in given and value != "auto" else default
+
+    backend = key("backend", "onnxruntime" if target.backend == "onnxruntime" else "torch")
+    near = target.device if backend == "torch" and target.backend in ("torch", "cuda") else "cpu"
+    return {"backend": backend, "device": key("device", near), "precision": key("precision", "default")}
+
+
+def _at(section, placement: Placement):
+    return section.model_copy(update={"backend": placement.backend, "device": placement.device,
+                                      "precision": placement.precision})
+
+
+def _drafter_section(cfg: Config, target: Placement, option) -> dict:
+    """The drafter section's keys the option fixes (kind, placements, stages)."""
+    d, stages = cfg.drafter, []
+    while option.kind == "cascade":  # outermost stage first, as drafter.stages lists them
+        stages.append(option.placement)
+        option = option.inner
+    keys = {"kind": option.kind, "stages": [_at(s, p) for s, p in zip(d.stages, stages)]}
+    if option.kind == "hybrid":
+        keys["hybrid_with"] = option.via
+    if option.kind == "head" or (option.kind == "hybrid" and option.via == "head"):
+        keys.update(_head_runtime(cfg, target))
+    elif option.placement is not None:  # a draft model (alone, under a hybrid or innermost in a cascade)
+        keys.update(backend=option.placement.backend, device=option.placement.device,
+                    precision=option.placement.precision)
+    return keys
+
+
+def planned_config(cfg: Config, target: Placement, candidate) -> Config:
+    """The manual config a plan's choice amounts to (target placement, drafter kind and
+    placements; the YAML's other keys, a worker's included, kept), so that spec_from_config,
+    the manual path's builder, makes its spec. candidate None: target-only."""
+    d = cfg.drafter
+    drafter = d.model_copy(update={"kind": "none", "stages": []}) if candidate is None else \
+        d.model_copy(update=_drafter_section(cfg, target, candidate.option))
+    return cfg.model_copy(update={"placement": "manual", "target": _at(cfg.target, target), "drafter": drafter})
 
 
 class PlanFallback:
@@ -133,52 +212,51 @@ def plan_engine(cfg: Config, load: Loader, target_only: bool = False):
     target_only: the full plan's target placement, without its drafter (a baseline
     must run the target the speculative run verifies on, or its outputs are not
     comparable). The plan reads the cached profile (a host that never profiled the
-    draft model profiles it once); no draft model is built. If the drafter section
-    cannot be planned (a missing draft model, an absent backend), the target is
-    planned alone, with a warning that it may differ from a speculative run's."""
+    draft or stage models profiles them once); no drafter is built. If the drafter
+    section cannot be planned (a missing draft model or head, an absent backend), the
+    target is planned alone, with a warning that it may differ from a speculative run's.
+    The spec is spec_from_config's for the config the plan amounts to (planned_config)."""
     d = cfg.drafter
     target_path = model_path(cfg, cfg.target.model)
 
-    def planned(draft_path, rules):
+    def planned(draft_path, rules, inputs):
         return auto_plan(target_path, draft_path, constraints=rules,
                          acceptance=dict(cfg.auto.acceptance) or None, k_max=d.k_max,
                          workload=Workload(cfg.auto.prompt_tokens, cfg.generation.max_new_tokens),
                          backends=cfg.auto.backends or None, precisions=cfg.auto.precisions or None,
                          quick=cfg.auto.quick, kv_budget=cfg.memory.kv_budget, progress=load.progress,
-                         registry=load.registry, options=load.options, overlap=cfg.scheduler.overlap,
-                         kinds=KindInputs(kinds=BUILDABLE, extra=MANUAL_ONLY if d.kind == "auto" else ()))
+                         registry=load.registry, options=load.options, overlap=cfg.scheduler.overlap, kinds=inputs,
+                         stage_models=tuple(model_path(cfg, s.model) for s in d.stages))
 
-    draft_path = None
     try:
-        draft_path = model_path(cfg, d.model) if d.kind in ("auto", "model") else None
-        plan = planned(draft_path, constraints(cfg, load))
+        inputs, draft_path = kind_inputs(cfg, load, target_path)
+        plan = planned(draft_path, constraints(cfg, load), inputs)
     except (BackendError, ConfigError, ModelLoadError) as exc:
         if not target_only:
             raise
         print(f"hetero-sd: --target-only: the drafter section cannot be planned ({exc}); the target is "
               "planned alone and may sit elsewhere than a speculative run's", file=sys.stderr)
-        plan = planned(None, Constraints(_pinned(cfg.target, load), drafter="none"))
-
-    def model_spec(path: str, placement: Placement, role: str) -> ModelSpec:
-        return ModelSpec(path, placement.backend, placement.device, placement.precision, cfg.memory.kv_budget, role,
-                         options=config_options(cfg))
-
-    def drafter_spec(candidate):
-        if candidate.drafter == "ngram":
-            return NgramSpec(d.min_ngram, d.max_ngram)
-        if candidate.drafter == "suffix":
-            return suffix_spec(cfg)
-        # (a draft of another tokenizer is made to draft through the text by build_for_target)
-        return replace(model_spec(draft_path, candidate.draft_placement, "draft model"), min_prob=draft_min_prob(d))
-
-    fallback = PlanFallback(plan, lambda placement: load(model_spec(target_path, placement, "target")),
-                            lambda candidate: build_for_target(drafter_spec(candidate), target_path, load))
+        plan = planned(None, Constraints(_pinned(cfg.target, load), drafter="none"), None)
     chosen = plan.best if plan.best.k > 0 else None
     if chosen is None and d.k == "auto":  # an adaptive k may turn speculation on later
         chosen = plan.speculative_for(plan.best.target)
-    if target_only:
-        chosen = None
-    spec = EngineSpec(model_spec(target_path, plan.best.target, "target"),
-                      None if chosen is None else drafter_spec(chosen), d.k, d.k_max)
+    spec = spec_from_config(planned_config(cfg, plan.best.target, None if target_only else chosen))
+    fallback = PlanFallback(plan, lambda placement: load(_at_placement(spec.target, placement)),
+                            lambda candidate: _drafter_for(cfg, spec.target, candidate, load))
     policy = plan.adaptive_policy() if d.k == "auto" else FixedDraftLength(d.k)
     return spec, policy, fallback, plan
+
+
+def _at_placement(target: ModelSpec, placement: Placement) -> ModelSpec:
+    """The target moved by a failover, still returning the features its drafter reads."""
+    return replace(target, backend=placement.backend, device=placement.device, precision=placement.precision)
+
+
+def _drafter_for(cfg: Config, target: ModelSpec, candidate, load: Loader):
+    """The drafter a re-plan or failover switches to; None (keep the current one) for a
+    head the loaded target returns no hidden states for (they are chosen at its load)."""
+    spec = spec_from_config(planned_config(cfg, candidate.target, candidate)).drafter
+    if not set(head_features(spec)) <= set(target.features):
+        return None
+    # (a draft of another tokenizer is made to draft through the text by build_for_target)
+    return build_for_target(spec, target.model, load)

@@ -387,16 +387,13 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None, e
         raise ConfigError(f"{path}: {exc}") from None
     if cfg.placement == "manual" and cfg.drafter.kind == "auto":
         raise ConfigError(f"{path}: drafter.kind: 'auto' needs 'placement: auto' at the top level "
-                          "(or name a kind: ngram, suffix, model, none)")
+                          "(or name a kind: ngram, suffix, model, head, hybrid, none)")
     if isinstance(cfg.drafter.k, int) and cfg.drafter.k > cfg.drafter.k_max and "k_max" in cfg.drafter.model_fields_set:
         raise ConfigError(f"{path}: drafter.k ({cfg.drafter.k}) exceeds drafter.k_max ({cfg.drafter.k_max})")
     if cfg.drafter.min_ngram > cfg.drafter.max_ngram:
         raise ConfigError(f"{path}: drafter.min_ngram ({cfg.drafter.min_ngram}) exceeds "
                           f"drafter.max_ngram ({cfg.drafter.max_ngram})")
     check_kind_keys(cfg.drafter, path)
-    if cfg.placement == "auto" and cfg.drafter.kind in ("head", "hybrid"):
-        raise ConfigError(f"{path}: drafter.kind: {cfg.drafter.kind} needs placement: manual (the splitter "
-                          "does not plan heads yet); place the target yourself")
     d = cfg.drafter
     if d.vocab is not None and not (d.kind == "model" or (d.kind == "hybrid" and d.hybrid_with == "model")):
         raise ConfigError(f"{path}: drafter.vocab restricts a draft model's LM head; it needs "
@@ -412,11 +409,16 @@ def _check_workers(cfg: Config, path: Path) -> None:
     """Worker and cascade keys that cannot work together, named by key path."""
     d = cfg.drafter
     levels = [("drafter", d)] + [(f"drafter.stages.{i}", s) for i, s in enumerate(d.stages)]
-    if (d.process != "inproc" or d.stages) and (cfg.placement == "auto"
-                                                or d.kind not in ("ngram", "suffix", "model")):
+    # kind auto (placement: auto) lets the splitter pick among the kinds a worker or cascade can hold
+    kinds = ("ngram", "suffix", "model", "auto") if cfg.placement == "auto" else ("ngram", "suffix", "model")
+    if (d.process != "inproc" or d.stages) and d.kind not in kinds:
         key = "drafter.stages" if d.stages else "drafter.process"
-        raise ConfigError(f"{path}: {key}: workers and cascades need drafter.kind ngram or model (or suffix) "
-                          f"with placement: manual (got kind {d.kind!r}, placement {cfg.placement!r})")
+        also = ", or auto" if cfg.placement == "auto" else ""
+        raise ConfigError(f"{path}: {key}: workers and cascades need drafter.kind ngram or model (or suffix{also}) "
+                          f"(got kind {d.kind!r}; a head reads the target's hidden states in the target's process)")
+    ray = next((key for key, level in levels if level.process == "ray"), None)
+    if ray is not None and cfg.placement == "auto":
+        raise ConfigError(f"{path}: {ray}.process: ray needs placement: manual (the splitter plans one host)")
     for key, level in levels:
         _check_process_keys(level, key, path)
     # A worker stage runs everything inside it (later stages, the drafter) in its own process.

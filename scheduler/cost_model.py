@@ -275,6 +275,9 @@ class DraftOption:
     predrafts: bool = True  # can draft round r+1 before round r's verify returns (a head cannot)
     via: str = ""  # hybrid: "head" or "model"; cascade: the inner drafter's label
     estimated: bool = False  # step_s is an estimate (explain says so)
+    # cascade: the option one level in (a cascade of the next stage, or the innermost
+    # drafter), so placement: auto can build every level the plan chose, not only the outermost
+    inner: "DraftOption | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in DRAFT_KINDS:
