@@ -66,4 +66,16 @@ def predraft(drafter, feed, seq: int, ids, drafts: list[int], k: int, prices=Non
                     rnd.catch_up_s, rnd.lookup)
 
 
-__all__ = ["PreDraft", "predraft"]
+def hidden_seconds(pending, t0: float, drafted_at: float) -> float:
+    """Of a pre-draft from t0 to drafted_at, the seconds the device was still verifying:
+    up to when it finished (Pending.done_at), all of it where the wait then blocked, none
+    where the runner cannot say when it finished and the wait did not block."""
+    now = time.perf_counter()
+    done = pending.done_at if pending.done_at is not None else now if now - drafted_at > WAITED_S else t0
+    return min(drafted_at - t0, max(0.0, done - t0))
+
+
+WAITED_S = 1e-4  # a wait this long blocked on the device: it was still busy when the pre-draft ended
+
+
+__all__ = ["PreDraft", "hidden_seconds", "predraft"]

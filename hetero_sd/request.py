@@ -40,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from hetero_sd.ahead import PreDraft, predraft
+from hetero_sd.ahead import PreDraft, hidden_seconds, predraft
 from hetero_sd.backends.base import BatchItem, Pending
 from hetero_sd.errors import GenerationError
 from hetero_sd.failover import FailoverDrafter, FailoverRunner
@@ -160,22 +160,18 @@ class Request:
             self._ahead = predraft(self.drafter, self.feed, self.seq, self.history.ids, step.drafts, k, rnd.prices)
         drafted_at = time.perf_counter()
         scored = pending.wait()
-        if k > 0:  # hidden: the drafting done before the device finished (all of it when we waited;
-            # none where the runner cannot say when it finished and we did not wait)
-            seconds, now = drafted_at - t0, time.perf_counter()
-            done = pending.done_at if pending.done_at is not None else now if now - drafted_at > WAITED_S else t0
-            self.stats.predraft_s += seconds
-            self.stats.hidden_draft_s += min(seconds, max(0.0, done - t0))
+        if k > 0:
+            self.stats.predraft_s += drafted_at - t0
+            self.stats.hidden_draft_s += hidden_seconds(pending, t0, drafted_at)
         return scored
 
     def _ahead_k(self, step: VerifyRequest, rnd: Round | None) -> int:
         """Drafts to pre-draft for the round after `step`: the k this round asked for,
         within the tokens still wanted and the room left once it commits all."""
-        if rnd is None or rnd.asked == 0 or not self.drafter.active:
+        if rnd is None or not self.drafter.active:
             return 0
-        after = self.history.output_len + len(step.drafts) + 1
-        room = self.capacity - (self.pos + len(step.tokens)) - 1
-        return max(0, min(rnd.asked, self.stopper.max_new_tokens - after - 1, room))
+        wanted = self.stopper.max_new_tokens - (self.history.output_len + len(step.drafts) + 1) - 1
+        return max(0, min(rnd.asked, wanted, self.capacity - (self.pos + len(step.tokens)) - 1))
 
     def submit(self, step: VerifyRequest) -> Pending:
         """score(step) as a submitted call (Runner.submit): Pending.wait() returns its scores."""
@@ -407,9 +403,6 @@ class DraftFeed:
             self.features.clear()
         self.told = len(ids)
         return req
-
-
-WAITED_S = 1e-4  # a wait this long blocked on the device: it was still busy when the pre-draft ended
 
 
 __all__ = ["GenerationResult", "Request", "TokenLogprob"]
