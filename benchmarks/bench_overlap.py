@@ -31,13 +31,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny model builder
-from helpers.tiny_models import make_hf_model, random_prompt  # noqa: E402
+from hetero_sd.engine import Engine
+from hetero_sd.ir import load_model_ir
+from hetero_sd.testing.controlled import serial_and_overlapped
+from hetero_sd.testing.fake_backend import FakeBackend, FakeCosts, FakeDeviceSpec
 
-from hetero_sd.engine import Engine  # noqa: E402
-from hetero_sd.ir import load_model_ir  # noqa: E402
-from hetero_sd.testing.controlled import serial_and_overlapped  # noqa: E402
-from hetero_sd.testing.fake_backend import FakeBackend, FakeCosts, FakeDeviceSpec  # noqa: E402
+
+def _tiny_models():
+    """The tests' tiny model builder (tests/helpers), registered alone as `helpers`: the
+    tests folder itself on sys.path would shadow hetero_sd's subpackages with its own."""
+    import importlib.util
+
+    if "helpers" not in sys.modules:
+        root = Path(__file__).resolve().parents[1] / "tests" / "helpers"
+        spec = importlib.util.spec_from_file_location("helpers", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["helpers"] = module
+        spec.loader.exec_module(module)
+    from helpers import tiny_models
+
+    return tiny_models
 
 
 def _target(model_dir: Path, verify_s: float):
@@ -52,10 +66,11 @@ def _alone(target, prompt, n):
 
 
 def measure(verify_ms: float, steps_ms: list[float], alphas: list[float], tokens: int) -> list[dict]:
+    tiny = _tiny_models()
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_hf_model(Path(tmp) / "tiny", "llama", seed=0)
+        model = tiny.make_hf_model(Path(tmp) / "tiny", "llama", seed=0)
         target = _target(model, verify_ms / 1e3)
-        prompt = random_prompt(16, seed=3)
+        prompt = tiny.random_prompt(16, seed=3)
         alone = _alone(target, prompt, tokens)
         oracle = alone.token_ids
         rows = []
