@@ -93,7 +93,7 @@ PAIR = Path(__file__).resolve().parents[1] / "configs" / "qwen-coder-worker.yaml
 PAIR_PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
 PAIR_RUNS = (("target-only", {}), ("worker sync, serial", {"drafter.mode": "sync", "scheduler.overlap": "off"}),
              ("worker async (lookahead)", {"drafter.mode": "async", "scheduler.overlap": "off"}),
-             ("worker sync, overlap", {"drafter.mode": "sync", "scheduler.overlap": "on"}))
+             ("worker sync, overlap", {"drafter.mode": "sync", "scheduler.overlap": "auto"}))
 
 
 def measure_pair(tokens: int) -> list[dict]:

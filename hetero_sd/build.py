@@ -89,8 +89,7 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
         spec = spec_from_config(cfg, target_only=target_only)
         policy = AdaptiveDraftLength(spec.k_max) if spec.k == "auto" else FixedDraftLength(spec.k)
     built = build(spec, load)
-    if cfg.scheduler.overlap == "on" and isinstance(spec.drafter, WorkerSpec) and not built.target.asynchronous:
-        # the worker drafts on its own cores while this process's runtime verifies on a thread
+    if threads_target(cfg.scheduler.overlap, spec.drafter, built.target):
         built.target = ThreadedRunner(built.target)
     gen = cfg.generation
     # No re-planner without a drafter: re-planning only swaps drafters (a target failover stays).
@@ -104,6 +103,16 @@ def engine_arguments(cfg: Config, progress: bool = False, target_only: bool = Fa
                 sampling=gen.sampling(), policy=policy, fallback=fallback, replanner=replanner, plan=plan,
                 constraint=gen.constraint_spec(cfg.source), ignore_eos=gen.ignore_eos,
                 overlap=cfg.scheduler.overlap)
+
+
+def threads_target(overlap: str, drafter, target) -> bool:
+    """Whether the target's calls go on a thread of their own (backends/threaded.py), so a
+    worker drafts on its cores while this process verifies: always with overlap on; with
+    auto where a synchronous worker has cores of its own (a worker drafting ahead by itself,
+    mode async, keeps its lookahead)."""
+    if target.asynchronous or not isinstance(drafter, WorkerSpec) or drafter.transport == "ray":
+        return False
+    return overlap == "on" or (overlap == "auto" and bool(drafter.cpus) and drafter.mode == "sync")
 
 
 def split_cores(drafter) -> set[int] | None:

@@ -199,6 +199,14 @@ class RemoteDrafter(Drafter):
         self._ready = self._warm = False
         self.stats.starts += 1
 
+    @property
+    def draft_device(self) -> str:
+        """Where it computes, as the overlap compares devices (the splitter's DraftOption.device):
+        a worker on the CPU has cores of its own; one on an accelerator shares that device."""
+        devices = device_list(self.spec)
+        where = devices[-1] if devices else "cpu"
+        return "worker:cpu" if where.lower() == "cpu" else where
+
     def wait_ready(self) -> None:
         """Block until the worker has built its drafter; raise what stopped it
         (the worker's ConfigError / ModelLoadError / BackendError as such)."""

@@ -26,8 +26,8 @@ from hetero_sd.ir.errors import ConfigError
 DEFAULT_KV_BUDGET = 256 * 2**20
 TRANSPORTS = ("shm", "tcp", "pipe", "inproc", "ray")  # inproc: the worker loop in a thread (tests); ray: an actor
 MODES = ("sync", "async")  # async: the worker drafts ahead while the target verifies (greedy)
-# where a worker's draft distributions travel (transport/planes.py): auto is cuda_ipc for a
-# drafter on a CUDA device (shm transport, torch sees CUDA), host (the shm arena) otherwise
+# where a worker's draft distributions travel (transport/planes.py): auto keeps the host arena (the
+# engine verifies on the host); cuda_ipc: CUDA IPC buffers for a drafter on a CUDA device
 DATA_PLANES = ("auto", "host", "cuda_ipc")
 
 

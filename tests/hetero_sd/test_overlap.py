@@ -240,3 +240,32 @@ def test_explain_says_whether_rounds_overlap(tiny_model_dir, tmp_path, capsys, o
                     f"drafter: {{kind: ngram}}\nscheduler: {{overlap: {overlap}}}\n")
     assert main(["generate", "--config", str(path), "--prompt", "hi", "-n", "4", "--explain"]) == 0
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("overlap, mode, threaded", [("auto", "sync", True), ("auto", "async", False),
+                                                     ("off", "sync", False)])
+def test_a_cpu_target_beside_a_pinned_worker_overlaps(tiny_model_dir, tmp_path, overlap, mode, threaded):
+    """A synchronous CPU target with its drafter in a worker on a core of its own: auto runs the
+    target's calls on a thread (ThreadedRunner) so the worker pre-drafts meanwhile; a worker
+    drafting ahead by itself (mode async) keeps its lookahead; off stays serial. Output equals
+    target-only's either way."""
+    import os
+
+    from hetero_sd.backends.threaded import ThreadedRunner
+
+    cpu = max(os.sched_getaffinity(0))
+    path = tmp_path / "c.yaml"
+    path.write_text(f"target: {{model: {tiny_model_dir('llama')}, backend: torch}}\n"
+                    f"drafter: {{kind: ngram, min_ngram: 1, max_ngram: 3, k: 3, process: worker, mode: {mode}, "
+                    f"cpus: [{cpu}]}}\nscheduler: {{overlap: {overlap}}}\n")
+    prompt = random_prompt(10, seed=9) * 2
+    engine = Engine.from_config(path)
+    try:
+        assert isinstance(engine.target, ThreadedRunner) == threaded
+        assert engine.overlap().on == threaded, engine.overlap().why
+        got = engine.generate_ids(prompt, 24)
+        assert got.token_ids == engine.generate_ids(prompt, 24, target_only=True).token_ids
+        assert (got.stats.predraft_s > 0) == threaded
+    finally:
+        engine.close()
