@@ -18,10 +18,11 @@ RUNNER_REQUIRED = {"allocate", "forward", "greedy", "truncate", "length", "relea
 RUNNER_OPTIONAL = {"max_batch": 1, "forward_batch": None, "feature_layers": (), "take_features": None,
                    "can_copy_prefix": False, "copy_prefix": None, "close": None, "location": None,
                    "kernel_choice": "", "pads_single_row": False,
-                   "draft_only": None}
+                   "draft_only": None, "asynchronous": False, "submit": None}
 DRAFTER_REQUIRED = {"begin", "draft", "reset"}
 DRAFTER_OPTIONAL = {"can_fork": False, "fork": None, "takes_guide": True, "feature_layers": (), "runner": None,
-                    "observe": None, "wait_ready": None, "close": None, "model_free": False, "one_hot": False}
+                    "observe": None, "wait_ready": None, "close": None, "model_free": False, "one_hot": False,
+                    "draft_device": "cpu", "predrafts": True}  # (two properties: their defaults for a bare drafter)
 
 
 def _runner_classes():
@@ -60,11 +61,14 @@ def test_every_optional_capability_is_declared_with_its_default(base, required, 
     for name, default in optional.items():
         assert name in vars(base), f"{base.__name__}.{name} is not declared on the contract"
         value = vars(base)[name]
-        if default is None and callable(value):
+        assert name in inspect.getdoc(inspect.getmodule(base)), f"the contract's docstring omits {name}"
+        if isinstance(value, property):  # computed from other declarations: read on a bare instance
+            bare = type("Bare", (base,), {m: lambda *a, **k: None for m in base.__abstractmethods__})()
+            assert getattr(bare, name) == default, f"{base.__name__}.{name} is {getattr(bare, name)!r}"
+        elif default is None and callable(value):
             assert name not in getattr(base, "__abstractmethods__", ()), f"{name} must have a default"
         else:
             assert value == default, f"{base.__name__}.{name} defaults to {value!r}, not {default!r}"
-        assert name in inspect.getdoc(inspect.getmodule(base)), f"the contract's docstring omits {name}"
     assert required <= set(base.__abstractmethods__)
     # a new method on the contract is either required or listed here as optional
     extra = _public(base) - required - set(optional) - {"name", "device", "precision", "vocab_size", "max_context",
