@@ -269,3 +269,31 @@ def test_a_cpu_target_beside_a_pinned_worker_overlaps(tiny_model_dir, tmp_path, 
         assert (got.stats.predraft_s > 0) == threaded
     finally:
         engine.close()
+
+
+def test_generate_chat_and_serve_answer_alike_with_the_overlap():
+    """The embedded model on the default config (its suffix drafter) with the overlap forced on:
+    generate, a chat turn (a prefix-cached conversation) and the batching server give the
+    target-only answer to the same conversation; two turns, so the chat's second reuses KV."""
+    from hetero_sd.chat import ChatSession
+    from hetero_sd.serve.batch import BatchEngine, Submission
+    from serve.test_batch import _Collector
+
+    engine = Engine.from_config(None, **{"scheduler.overlap": "on", "generation.max_new_tokens": 16})
+    assert engine.overlap().on
+    chat = ChatSession(engine, max_new_tokens=16)
+    batch = BatchEngine(engine, max_running=2, max_waiting=4)
+    batch.start()
+    try:
+        for text in ("Name three primary colors.", "And three secondary ones?"):
+            said = chat.reply(text, lambda delta: None)
+            ids = engine.encode_chat(chat.messages[:-1])
+            alone = engine.generate_ids(ids, 16, target_only=True)
+            spoken = engine.generate_ids(ids, 16)
+            got = _Collector()
+            batch.submit(Submission(ids, 16, speculate=True), got)
+            assert got.done.wait(120)
+            assert spoken.token_ids == alone.token_ids and spoken.stats.predraft_s > 0
+            assert said == alone.text and got.result.token_ids == alone.token_ids, text
+    finally:
+        batch.shutdown(drain_s=30)
