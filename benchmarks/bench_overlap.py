@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hetero_sd.engine import Engine
 from hetero_sd.ir import load_model_ir
-from hetero_sd.testing.controlled import serial_and_overlapped
+from hetero_sd.bench.overlap import serial_and_overlapped
 from hetero_sd.testing.fake_backend import FakeBackend, FakeCosts, FakeDeviceSpec
 
 

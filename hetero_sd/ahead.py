@@ -30,7 +30,6 @@ class PreDraft:
     tail: list[int]  # round r's drafts and the guess: the history's last tokens then
     drafts: list[int]  # round r+1's drafts
     probs: object  # their distributions (numpy rows), None for one-hot drafts
-    seconds: float  # the drafter's time, spent during the verify
     catch_up_s: float = 0.0
     lookup: bool = False
 
@@ -44,7 +43,7 @@ class PreDraft:
 
     def fill(self, rnd: Round) -> None:
         """A hit's round: its drafting took no critical time."""
-        rnd.draft_s, rnd.predrafted, rnd.hidden_s = 0.0, True, self.seconds
+        rnd.draft_s, rnd.predrafted = 0.0, True
         rnd.catch_up_s, rnd.lookup = self.catch_up_s, self.lookup
 
 
@@ -55,15 +54,12 @@ def predraft(drafter, feed, seq: int, ids, drafts: list[int], k: int, prices=Non
     req = DraftRequest(seq, feed.told, k + 1, context[feed.told:], context=context)
     feed.told = len(ids)  # round r's drafts may not hold: the next request rolls back to here
     rnd = Round(asked=k + 1, prices=prices)
-    t0 = time.perf_counter()
     proposal = drafter.draft(req, rnd)
-    seconds = time.perf_counter() - t0
     tokens = list(proposal.tokens[:k + 1])
     if len(tokens) < 2:
         return None
     probs = None if proposal.probs is None else proposal.probs[1:len(tokens)]
-    return PreDraft(len(context) + 1, list(drafts) + tokens[:1], tokens[1:], probs, seconds,
-                    rnd.catch_up_s, rnd.lookup)
+    return PreDraft(len(context) + 1, list(drafts) + tokens[:1], tokens[1:], probs, rnd.catch_up_s, rnd.lookup)
 
 
 def hidden_seconds(pending, t0: float, drafted_at: float) -> float:

@@ -75,10 +75,4 @@ def round_seconds(verify_s: float, draft_s: float, predraft_s: float, hit: float
     return max(verify_s, predraft_s) + (1.0 - hit) * draft_s
 
 
-def hidden_share(hidden_s: float, serial_s: float) -> float:
-    """Of all drafting seconds, the share that ran during a verify (1.0 without drafting)."""
-    total = hidden_s + serial_s
-    return hidden_s / total if total > 0 else 1.0
-
-
-__all__ = ["OverlapDecision", "OverlapMode", "decide", "hidden_share", "hit_rate", "round_seconds", "same_device"]
+__all__ = ["OverlapDecision", "OverlapMode", "decide", "hit_rate", "round_seconds", "same_device"]

@@ -18,7 +18,6 @@ back into the drafter or the request from it.
     learnt       Request.accept                    policy.observe (timings taught or not)
     overlapped   Request.propose                   policy.observe (the request drafts during verifies)
     predrafted   Request.propose (a pre-draft hit)  policy.observe (drafts that cost no critical time)
-    hidden_s     Request.propose                   stats (drafting seconds a verify hid)
 
 Plain numbers, so a record crosses to a worker's reply header as numbers
 (drafting/wire.py carries catch_up_s).
@@ -45,7 +44,6 @@ class Round:
     learnt: bool = True  # the policy learns costs from its timings (not in a failover, nor a pinned request)
     overlapped: bool = False  # the request pre-drafts each next round during the verify (scheduler/overlap.py)
     predrafted: bool = False  # its drafts were pre-drafted during the last verify (draft_s is then 0)
-    hidden_s: float = 0.0  # the pre-draft's seconds, hidden by the last verify
 
     @property
     def priced_draft_s(self) -> float | None:

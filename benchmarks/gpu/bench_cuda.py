@@ -241,11 +241,16 @@ def main(argv=None) -> int:
         result["shapes"].append(bench_shape(shape, dev, args))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_cuda.json").write_text(json.dumps(result, indent=1))
-    (args.out / "bench_cuda.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(args.out, "bench_cuda", result, markdown(result))
     return 0
+
+
+def write_result(out: Path, stem: str, result: dict, md: str) -> None:
+    """OUT/stem.json and OUT/stem.md (what check.sh gathers), and the table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ import torch
 
 from hetero_sd.backends.cuda.backend import CudaBackend
 from hetero_sd.engine import Engine
-from hetero_sd.testing.controlled import serial_and_overlapped
+from hetero_sd.bench.overlap import serial_and_overlapped
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cuda import random_model  # noqa: E402
+from bench_cuda import random_model, write_result  # noqa: E402
 
 
 def rows(runner, vocab: int, alphas, steps_ms, k: int, new: int, overlap: str) -> list[dict]:
@@ -82,10 +82,7 @@ def main(argv=None) -> int:
               "rows": rows(runner, ir.config.vocab_size, [float(a) for a in args.alphas.split(",")],
                            [float(s) for s in args.steps_ms.split(",")], args.k, new,
                            "auto" if runner.asynchronous else "on")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_overlap.json").write_text(json.dumps(result, indent=1))
-    (args.out / "bench_overlap.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(args.out, "bench_overlap", result, markdown(result))
     return 0
 
 

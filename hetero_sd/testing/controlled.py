@@ -58,23 +58,4 @@ class ControlledDrafter(Drafter):
         return DraftResult(req.seq_id, tokens)
 
 
-def serial_and_overlapped(target, prompt: list[int], oracle: list[int], a: float, step_s: float, k: int,
-                          overlap: str = "auto") -> dict:
-    """One benchmark row's measurements: draft-then-verify (overlap off) and drafting during
-    the verify (`overlap`), each with a fresh ControlledDrafter; tok/s, the share of drafting
-    hidden, the rounds a pre-draft served, acceptance, and whether the output equals `oracle`
-    (the target-only greedy output)."""
-    from hetero_sd.engine import Engine
-
-    row = {}
-    for name, mode in (("serial", "off"), ("overlap", overlap)):
-        drafter = ControlledDrafter(prompt, oracle, target.vocab_size, a, step_s)
-        res = Engine(target, drafter, k=k, overlap=mode).generate_ids(prompt, len(oracle))
-        st = res.stats
-        row.update({f"{name}_lossless": res.token_ids == oracle, f"{name}_tok_s": st.tokens_per_s,
-                    f"{name}_hidden": st.hidden_share, f"{name}_acceptance": st.acceptance_rate,
-                    f"{name}_hits": st.predraft_hits / st.rounds if st.rounds else 0.0})
-    return row
-
-
-__all__ = ["ControlledDrafter", "serial_and_overlapped"]
+__all__ = ["ControlledDrafter"]
